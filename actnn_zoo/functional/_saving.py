@@ -1,0 +1,60 @@
+"""Saving compressed tensors through ctx.save_for_backward and getting them back."""
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+from torch import Tensor
+
+from ..config import LayerQConfig
+from ..quant import QuantizedTensor, dequantize, quantize
+
+Saved = Union[Tensor, QuantizedTensor, None]
+
+
+def compress(x: Tensor, qconfig: LayerQConfig, bits: Union[int, Tensor, None] = None
+             ) -> QuantizedTensor:
+    """Quantize ``x`` as ``qconfig`` says (``bits`` overrides its width, e.g. per-sample)."""
+    return quantize(x, qconfig.bits if bits is None else bits, qconfig.group_size,
+                    rounding=qconfig.rounding)
+
+
+def save(ctx, *items: Saved) -> None:
+    """Save plain tensors, QuantizedTensors and Nones, all through ``ctx.save_for_backward``."""
+    tensors: List[Tensor] = []
+    layout = []
+    for item in items:
+        if isinstance(item, QuantizedTensor):
+            ts = item.tensors()
+            layout.append(("q", len(ts), item.spec()))
+            tensors.extend(ts)
+        elif item is None:
+            layout.append(("none", 0, None))
+        else:
+            layout.append(("t", 1, None))
+            tensors.append(item)
+    ctx._az_layout = layout
+    ctx.save_for_backward(*tensors)
+
+
+def load(ctx) -> List[Saved]:
+    """The items given to :func:`save`, in order (QuantizedTensors rebuilt, not decompressed)."""
+    tensors = ctx.saved_tensors
+    out: List[Saved] = []
+    i = 0
+    for kind, count, spec in ctx._az_layout:
+        if kind == "q":
+            out.append(QuantizedTensor.rebuild(spec, tuple(tensors[i:i + count])))
+        elif kind == "t":
+            out.append(tensors[i])
+        else:
+            out.append(None)
+        i += count
+    return out
+
+
+def restore(item: Saved) -> Optional[Tensor]:
+    """Decompress a saved item (identity for plain tensors and None)."""
+    if isinstance(item, QuantizedTensor):
+        return dequantize(item)
+    return item

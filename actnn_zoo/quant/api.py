@@ -1,0 +1,138 @@
+"""quantize / dequantize and mask packing: argument checks, then one backend call."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .backend import kernels
+from .reference import row_offsets
+from .tensor import QuantizedTensor
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ROUNDING = ("stochastic", "nearest")
+
+
+def check_bits(bits: object, name: str = "bits") -> int:
+    """Validate one bit width; returns it as int."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return bits
+
+
+def check_group_size(group_size: object, name: str = "group_size") -> int:
+    if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
+            or group_size % 8):
+        raise ValueError(f"{name} must be a positive multiple of 8, got {group_size!r}")
+    return group_size
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """The (N, D) row view of the contract: dim 0 is the sample; 0-d and 1-d are one row."""
+    if x.dim() <= 1:
+        return x.reshape(1, -1)
+    return x.reshape(x.shape[0], -1)
+
+
+def draw_seed() -> int:
+    """A 31-bit seed from torch's default (CPU) generator: no device synchronisation."""
+    return int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+
+
+def _row_bits(bits: Union[int, Tensor], n: int, device: torch.device) -> tuple:
+    if isinstance(bits, Tensor):
+        if bits.dtype.is_floating_point or bits.dtype == torch.bool or bits.dim() != 1:
+            raise TypeError(f"bits as a tensor must be a 1-d integer tensor, got {bits.dtype} "
+                            f"of shape {tuple(bits.shape)}")
+        if bits.shape[0] != n:
+            raise ValueError(f"bits has {bits.shape[0]} entries but the tensor has {n} samples")
+        ok = (bits == 1) | (bits == 2) | (bits == 4) | (bits == 8)
+        if not bool(ok.all()):
+            raise ValueError(f"bits entries must be in {SUPPORTED_BITS}")
+        return bits.to(device=device, dtype=torch.uint8), None
+    b = check_bits(bits)
+    return torch.full((n,), b, dtype=torch.uint8, device=device), b
+
+
+def quantize(x: Tensor, bits: Union[int, Tensor] = 2, group_size: int = 256,
+             seed: Optional[int] = None, rounding: str = "stochastic") -> QuantizedTensor:
+    """Compress ``x`` to ``bits`` per value with per-group stochastic rounding.
+
+    ``bits`` is 1, 2, 4 or 8, or a 1-d integer tensor with one such width per sample (row).
+    ``seed`` fixes the random rounding; by default it is drawn from torch's generator, so
+    ``torch.manual_seed`` makes runs reproducible. The result dequantizes to an unbiased
+    estimate of ``x`` (exactly unbiased up to the 2^-24 resolution of the random numbers).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    group_size = check_group_size(group_size)
+    if rounding not in ROUNDING:
+        raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
+    if seed is None:
+        seed = draw_seed() if rounding == "stochastic" else 0
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+
+    rows = as_rows(x.detach())
+    n, d = rows.shape
+    row_bits, uniform = _row_bits(bits, n, x.device)
+    offsets = row_offsets(d, row_bits)
+    g = -(-d // group_size)
+    if n * d == 0:
+        total = 0
+        data = torch.empty(0, dtype=torch.uint8, device=x.device)
+        lo = torch.empty(n, g, dtype=torch.bfloat16, device=x.device)
+        step = torch.empty_like(lo)
+    else:
+        total = int(offsets[-1]) if uniform is None else n * ((d * uniform + 7) // 8)
+        data, lo, step = kernels(x.device).quantize(
+            rows.contiguous(), row_bits, offsets, total, group_size, seed & 0xFFFFFFFF,
+            rounding == "stochastic")
+    if uniform is None:
+        return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
+                               row_bits, offsets)
+    return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size)
+
+
+def dequantize(q: QuantizedTensor) -> Tensor:
+    """Reconstruct a tensor of ``q``'s original shape and dtype (contiguous)."""
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"dequantize expects a QuantizedTensor, got {type(q).__name__}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    rows = as_rows(out)
+    n, d = rows.shape
+    if q.mixed:
+        row_bits, offsets = q.row_bits, q.offsets
+    else:
+        row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
+        offsets = row_offsets(d, row_bits)
+    kernels(q.device).dequantize(q.data, q.lo, q.step, row_bits, offsets, q.group_size, rows)
+    return out
+
+
+def pack_mask(mask: Tensor) -> Tensor:
+    """Any-shape boolean mask -> uint8 with 1 bit per value (element i at bit i % 8)."""
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+    flat = mask.reshape(-1).contiguous()
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=mask.device)
+    return kernels(mask.device).pack_mask(flat)
+
+
+def unpack_mask(packed: Tensor, shape: Union[torch.Size, tuple]) -> Tensor:
+    """Inverse of :func:`pack_mask`: a bool tensor of ``shape``."""
+    shape = torch.Size(shape)
+    numel = shape.numel()
+    if packed.dtype != torch.uint8 or packed.numel() != (numel + 7) // 8:
+        raise ValueError(f"packed mask of {packed.numel()} bytes ({packed.dtype}) does not hold "
+                         f"{numel} values")
+    if numel == 0:
+        return torch.empty(shape, dtype=torch.bool, device=packed.device)
+    return kernels(packed.device).unpack_mask(packed.contiguous(), numel).view(shape)

@@ -1,0 +1,242 @@
+"""Pure-torch quantization kernels: the executable specification.
+
+The compiled kernels (``cpp_ext/``) must produce bit-identical codes and metadata to these
+functions for the same inputs and seed. Every step below is written as one fp32 operation at a
+time (no fused multiply-add) so that C++ compiled with ``-ffp-contract=off`` can match it.
+
+Layout (see ``DESIGN.md``, the quantization contract):
+
+* ``x2d`` is ``(N, D)``: row ``n`` is sample ``n``. Each row is cut into ``G = ceil(D / group_size)``
+  groups; the last group of a row may be shorter and its range covers only its own values.
+* ``lo`` and ``step`` are bfloat16 ``(N, G)``. ``lo`` is the group minimum rounded down and ``step``
+  the range over ``2^b - 1`` rounded up, then nudged up until ``lo + (2^b - 1) * step >= max`` in
+  fp32. A group holding NaN or +-Inf gets ``lo = step = NaN`` (it dequantizes to NaN).
+* Codes ``q = clamp(floor((x - lo) * (1 / step) + u), 0, 2^b - 1)`` with ``u`` from the counter hash
+  below (``u = 0.5`` for round-to-nearest), computed from the *stored* bf16 ``lo`` and ``step``.
+* Row ``n`` with ``b_n`` bits is packed LSB-first, ``8 / b_n`` codes per byte, into
+  ``ceil(D * b_n / 8)`` bytes starting at byte ``offsets[n]`` of one uint8 buffer.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+_C1 = 0x85EBCA6B
+_C2 = 0xC2B2AE35
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based random numbers
+# ----------------------------------------------------------------------------------------------
+def _mul32(h: Tensor, c: int) -> Tensor:
+    """(h * c) mod 2^32 for int64 tensors holding uint32 values, without int64 overflow."""
+    lo16, hi16 = c & 0xFFFF, c >> 16
+    return (h * lo16 + (((h * hi16) & 0xFFFF) << 16)) & _M32
+
+
+def fmix32_int(h: int) -> int:
+    """murmur3's 32-bit finalizer on a Python int (used for the per-call seed key)."""
+    h &= _M32
+    h ^= h >> 16
+    h = (h * _C1) & _M32
+    h ^= h >> 13
+    h = (h * _C2) & _M32
+    h ^= h >> 16
+    return h
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, _C1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _C2)
+    return h ^ (h >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key every backend derives from a user seed."""
+    return fmix32_int((seed & _M32) + GOLDEN)
+
+
+def uniform_from_index(index: Tensor, seed: int) -> Tensor:
+    """u in [0, 1) as float32, a pure function of (seed, element index).
+
+    ``h = fmix32(lo32(i) ^ key ^ (hi32(i) * 0x85EBCA6B))``, ``u = (h >> 8) * 2^-24``.
+    """
+    key = seed_key(seed)
+    hi = _mul32(index >> 32, _C1)
+    h = _fmix32((index & _M32) ^ key ^ hi)
+    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+
+
+# ----------------------------------------------------------------------------------------------
+# Directed rounding to bfloat16
+# ----------------------------------------------------------------------------------------------
+def _bf16_step(b: Tensor, toward_larger: Tensor) -> Tensor:
+    """Move bf16 values one ulp up (toward_larger) or down, through their bit patterns."""
+    bits = b.view(torch.int16)
+    negative = bits < 0
+    # Moving up means: a smaller magnitude for negatives, a larger one for positives.
+    delta = torch.where(toward_larger ^ negative, 1, -1).to(torch.int16)
+    return (bits + delta).view(torch.bfloat16)
+
+
+def round_down_bf16(v: Tensor) -> Tensor:
+    """Largest bfloat16 value <= v (v float32, finite or not; NaN stays NaN)."""
+    b = v.to(torch.bfloat16)
+    wrong = b.float() > v
+    return torch.where(wrong, _bf16_step(b, torch.zeros_like(wrong)), b)
+
+
+def round_up_bf16(v: Tensor) -> Tensor:
+    """Smallest bfloat16 value >= v."""
+    b = v.to(torch.bfloat16)
+    wrong = b.float() < v
+    return torch.where(wrong, _bf16_step(b, torch.ones_like(wrong)), b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metadata and codes
+# ----------------------------------------------------------------------------------------------
+def _grouped(x2d: Tensor, group_size: int, fill: float) -> Tensor:
+    n, d = x2d.shape
+    g = -(-d // group_size)
+    pad = g * group_size - d
+    if pad:
+        x2d = torch.nn.functional.pad(x2d, (0, pad), value=fill)
+    return x2d.view(n, g, group_size)
+
+
+def group_metadata(x2d: Tensor, levels: Tensor, group_size: int) -> Tuple[Tensor, Tensor]:
+    """Per-group (lo, step) in bfloat16 for float32 ``x2d`` (N, D) and per-row ``levels`` (N,)."""
+    mn = _grouped(x2d, group_size, float("inf")).amin(dim=2)
+    mx = _grouped(x2d, group_size, float("-inf")).amax(dim=2)
+    lv = levels.to(torch.float32).unsqueeze(1)
+    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    lo = round_down_bf16(torch.where(finite, mn, 0.0))
+    lo_f = lo.float()
+    step = round_up_bf16((mx.where(finite, 0.0) - lo_f) / lv)
+    for _ in range(2):
+        short = (lo_f + lv * step.float()) < mx.where(finite, 0.0)
+        step = torch.where(short, _bf16_step(step, torch.ones_like(short)), step)
+    bad = ~finite | ~torch.isfinite(step.float())
+    nan = torch.tensor(float("nan"), dtype=torch.bfloat16, device=x2d.device)
+    return torch.where(bad, nan, lo), torch.where(bad, nan, step)
+
+
+def _expand(meta: Tensor, d: int, group_size: int) -> Tensor:
+    """(N, G) per-group values -> (N, D) per-element float32 values."""
+    return meta.float().repeat_interleave(group_size, dim=1)[:, :d]
+
+
+def quantize_codes(x2d: Tensor, lo: Tensor, step: Tensor, levels: Tensor, group_size: int,
+                   seed: int, stochastic: bool) -> Tensor:
+    """Integer codes (N, D) as uint8 from float32 x and the stored metadata."""
+    n, d = x2d.shape
+    lo_e = _expand(lo, d, group_size)
+    step_e = _expand(step, d, group_size)
+    inv = torch.where(step_e > 0, 1.0 / step_e, torch.zeros_like(step_e))
+    t = (x2d - lo_e) * inv
+    if stochastic:
+        index = torch.arange(n * d, device=x2d.device, dtype=torch.int64).view(n, d)
+        t = t + uniform_from_index(index, seed)
+    else:
+        t = t + 0.5
+    q = torch.floor(t)
+    q = torch.nan_to_num(q, nan=0.0)
+    q = torch.minimum(torch.clamp_min(q, 0.0), levels.to(torch.float32).unsqueeze(1))
+    return q.to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------
+def row_nbytes(d: int, bits: Tensor) -> Tensor:
+    """Bytes one row of ``d`` codes takes at each row's width (int64, same shape as bits)."""
+    return (bits.to(torch.int64) * d + 7) // 8
+
+
+def row_offsets(d: int, bits: Tensor) -> Tensor:
+    """Byte offset of each row in the packed buffer: (N + 1,) int64, last entry = total bytes."""
+    sizes = row_nbytes(d, bits)
+    return torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])
+
+
+def _pack_rows(codes: Tensor, b: int) -> Tensor:
+    """(k, D) uint8 codes of width b -> (k, ceil(D*b/8)) packed bytes, LSB first."""
+    per = 8 // b
+    k, d = codes.shape
+    nb = (d * b + 7) // 8
+    pad = nb * per - d
+    c = torch.nn.functional.pad(codes, (0, pad)) if pad else codes
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * b
+    return (c.view(k, nb, per).to(torch.int32) << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack_rows(packed: Tensor, b: int, d: int) -> Tensor:
+    per = 8 // b
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * b
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << b) - 1)
+    return codes.reshape(packed.shape[0], -1)[:, :d].to(torch.uint8)
+
+
+def _row_byte_index(offsets: Tensor, rows: Tensor, nb: int) -> Tensor:
+    return offsets[rows].unsqueeze(1) + torch.arange(nb, device=offsets.device)
+
+
+def pack_codes(codes: Tensor, bits: Tensor, offsets: Tensor, total: int) -> Tensor:
+    n, d = codes.shape
+    out = torch.zeros(total, dtype=torch.uint8, device=codes.device)
+    for b in (1, 2, 4, 8):
+        rows = (bits == b).nonzero().flatten()
+        if rows.numel():
+            packed = _pack_rows(codes[rows], b)
+            out[_row_byte_index(offsets, rows, packed.shape[1])] = packed
+    return out
+
+
+def unpack_codes(data: Tensor, bits: Tensor, offsets: Tensor, d: int) -> Tensor:
+    n = bits.shape[0]
+    codes = torch.zeros(n, d, dtype=torch.uint8, device=data.device)
+    for b in (1, 2, 4, 8):
+        rows = (bits == b).nonzero().flatten()
+        if rows.numel():
+            nb = (d * b + 7) // 8
+            codes[rows] = _unpack_rows(data[_row_byte_index(offsets, rows, nb)], b, d)
+    return codes
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel interface every backend implements
+# ----------------------------------------------------------------------------------------------
+def quantize(x2d: Tensor, bits: Tensor, offsets: Tensor, total: int, group_size: int, seed: int,
+             stochastic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(N, D) contiguous float tensor -> (packed uint8 data, lo bf16 (N, G), step bf16 (N, G))."""
+    x = x2d.to(torch.float32)
+    levels = (1 << bits.to(torch.int64)) - 1
+    lo, step = group_metadata(x, levels, group_size)
+    codes = quantize_codes(x, lo, step, levels, group_size, seed, stochastic)
+    return pack_codes(codes, bits, offsets, total), lo, step
+
+
+def dequantize(data: Tensor, lo: Tensor, step: Tensor, bits: Tensor, offsets: Tensor,
+               group_size: int, out: Tensor) -> Tensor:
+    """Inverse of :func:`quantize` into ``out`` (N, D): ``lo + q * step`` in float32, cast."""
+    d = out.shape[1]
+    q = unpack_codes(data, bits, offsets, d).to(torch.float32)
+    out.copy_(q * _expand(step, d, group_size) + _expand(lo, d, group_size))
+    return out
+
+
+def pack_mask(mask: Tensor) -> Tensor:
+    """Flat bool tensor -> ceil(n / 8) bytes, element i at bit i % 8 of byte i // 8."""
+    n = mask.numel()
+    return _pack_rows(mask.reshape(1, n).to(torch.uint8), 1).reshape(-1)
+
+
+def unpack_mask(packed: Tensor, numel: int) -> Tensor:
+    return _unpack_rows(packed.reshape(1, -1), 1, numel).reshape(-1).bool()

@@ -1,0 +1,77 @@
+"""QuantizedTensor: the compressed form of one activation tensor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Packed codes plus the per-group metadata needed to reconstruct a tensor.
+
+    ``data`` holds the codes of every row, row ``n`` starting at byte ``offsets[n]``; ``lo`` and
+    ``step`` are bfloat16 ``(N, G)``. With uniform ``bits`` the offsets are implied
+    (``n * ceil(D * bits / 8)``) and not stored; with per-sample bits ``row_bits`` (uint8, N) and
+    ``offsets`` (int64, N + 1) are kept and counted in :attr:`nbytes`.
+    """
+
+    data: Tensor
+    lo: Tensor
+    step: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: Optional[int]
+    group_size: int
+    row_bits: Optional[Tensor] = None
+    offsets: Optional[Tensor] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def mixed(self) -> bool:
+        """True when each sample has its own width (``row_bits`` is set)."""
+        return self.row_bits is not None
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this object keeps alive: codes, metadata, and per-sample widths/offsets."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def bits_per_value(self) -> float:
+        """Average storage cost per original value, metadata included."""
+        n = self.numel()
+        return 8.0 * self.nbytes / n if n else 0.0
+
+    # -- autograd integration: everything saved goes through ctx.save_for_backward ----------
+    def tensors(self) -> Tuple[Tensor, ...]:
+        """The tensors to hand to ``ctx.save_for_backward``."""
+        if self.mixed:
+            return (self.data, self.lo, self.step, self.row_bits, self.offsets)
+        return (self.data, self.lo, self.step)
+
+    def spec(self) -> tuple:
+        """The non-tensor part, to keep on ``ctx``; :meth:`rebuild` joins the two again."""
+        return (self.shape, self.dtype, self.bits, self.group_size, self.mixed)
+
+    @classmethod
+    def rebuild(cls, spec: tuple, tensors: Tuple[Tensor, ...]) -> "QuantizedTensor":
+        shape, dtype, bits, group_size, mixed = spec
+        if mixed:
+            data, lo, step, row_bits, offsets = tensors
+        else:
+            (data, lo, step), row_bits, offsets = tensors, None, None
+        return cls(data, lo, step, shape, dtype, bits, group_size, row_bits, offsets)
+
+    def __repr__(self) -> str:
+        width = "mixed" if self.mixed else f"{self.bits}"
+        return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={width}, "
+                f"group_size={self.group_size}, nbytes={self.nbytes})")

@@ -1,0 +1,36 @@
+"""Builds actnn_zoo and its kernels (actnn_zoo._C): C++/OpenMP always, CUDA when torch has it."""
+import os
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-march=native"]
+NVCC_FLAGS = ["-O3", "--fmad=false"]
+cpu_sources = ["cpp_ext/quant_cpu.cpp", "cpp_ext/bindings.cpp"]
+cuda_sources = ["cpp_ext/quant_cuda.cu"]
+
+with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
+             and all(os.path.exists(s) for s in cuda_sources)
+             and os.environ.get("ACTNN_ZOO_NO_CUDA", "0") != "1")
+if with_cuda:
+    ext = CUDAExtension(
+        "actnn_zoo._C", cpu_sources + cuda_sources,
+        extra_compile_args={"cxx": CXX_FLAGS + ["-DACTNN_ZOO_CUDA"],
+                            "nvcc": NVCC_FLAGS + ["-DACTNN_ZOO_CUDA"]},
+        extra_link_args=["-fopenmp"])
+else:
+    ext = CppExtension("actnn_zoo._C", cpu_sources, extra_compile_args=CXX_FLAGS,
+                       extra_link_args=["-fopenmp"])
+
+setup(
+    name="actnn_zoo",
+    version="0.1.0",
+    description="Activation-compressed training for PyTorch: quantized drop-in layers",
+    packages=find_packages(include=["actnn_zoo", "actnn_zoo.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.1", "pyyaml"],
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
