@@ -1,0 +1,1 @@
+"""One autograd Function per op family; each saves compressed tensors for backward."""

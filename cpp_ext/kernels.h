@@ -1,0 +1,58 @@
+// The kernel interface of actnn_zoo._C. Each function is the compiled twin of the function of
+// the same name in actnn_zoo/quant/reference.py and must give bit-identical results.
+#pragma once
+#include <torch/extension.h>
+#include <cstdint>
+#include <tuple>
+
+namespace actnn_zoo {
+
+// The counter-based random number of the contract: u in [0, 1) from (seed key, element index).
+//   key = fmix32(seed + 0x9E3779B9)                       (once per call)
+//   h   = fmix32(lo32(i) ^ key ^ (hi32(i) * 0x85EBCA6B))
+//   u   = (h >> 8) * 2^-24
+#if defined(__CUDACC__)
+#define AZ_HD __host__ __device__ __forceinline__
+#else
+#define AZ_HD inline
+#endif
+AZ_HD uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+AZ_HD uint32_t seed_key(uint32_t seed) { return fmix32(seed + 0x9E3779B9u); }
+AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
+  uint32_t h = fmix32(static_cast<uint32_t>(i) ^ key ^ (static_cast<uint32_t>(i >> 32) * 0x85EBCA6Bu));
+  return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+}
+
+// x2d: (N, D) contiguous float32/float16/bfloat16. bits: (N,) uint8 in {1,2,4,8}.
+// offsets: (N + 1,) int64 byte offset of each row, offsets[N] == total.
+// Returns (data uint8 [total], lo bf16 (N, G), step bf16 (N, G)), G = ceil(D / group_size).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
+    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic);
+// Writes lo + q * step (float32 arithmetic) into out (N, D), contiguous, any float dtype.
+at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                          const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+                          at::Tensor& out);
+// Flat bool -> ceil(n / 8) bytes, element i at bit i % 8 of byte i / 8; and back.
+at::Tensor pack_mask_cpu(const at::Tensor& mask);
+at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel);
+
+#ifdef ACTNN_ZOO_CUDA
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
+    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic);
+at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                           const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+                           at::Tensor& out);
+at::Tensor pack_mask_cuda(const at::Tensor& mask);
+at::Tensor unpack_mask_cuda(const at::Tensor& packed, int64_t numel);
+#endif
+
+}  // namespace actnn_zoo
