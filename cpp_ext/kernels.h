@@ -32,6 +32,8 @@ AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
 
 // x2d: (N, D) contiguous float32/float16/bfloat16. bits: (N,) uint8 in {1,2,4,8}.
 // offsets: (N + 1,) int64 byte offset of each row, offsets[N] == total.
+// A positive step below 2^-126 (denormal) is raised to 2^-126 after the two corrections, so that
+// 1 / step stays finite (see reference.group_metadata).
 // Returns (data uint8 [total], lo bf16 (N, G), step bf16 (N, G)), G = ceil(D / group_size).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,

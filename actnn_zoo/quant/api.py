@@ -32,8 +32,8 @@ def check_group_size(group_size: object, name: str = "group_size") -> int:
 def as_rows(x: Tensor) -> Tensor:
     """The (N, D) row view of the contract: dim 0 is the sample; 0-d and 1-d are one row."""
     if x.dim() <= 1:
-        return x.reshape(1, -1)
-    return x.reshape(x.shape[0], -1)
+        return x.reshape(1, x.numel())
+    return x.reshape(x.shape[0], x.shape[1:].numel())
 
 
 def draw_seed() -> int:

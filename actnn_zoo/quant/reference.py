@@ -10,7 +10,7 @@ Layout (see ``DESIGN.md``, the quantization contract):
   groups; the last group of a row may be shorter and its range covers only its own values.
 * ``lo`` and ``step`` are bfloat16 ``(N, G)``. ``lo`` is the group minimum rounded down and ``step``
   the range over ``2^b - 1`` rounded up, then nudged up until ``lo + (2^b - 1) * step >= max`` in
-  fp32. A group holding NaN or +-Inf gets ``lo = step = NaN`` (it dequantizes to NaN).
+  fp32, and raised to at least 2^-126 when positive (so 1 / step is finite). A group holding NaN or +-Inf gets ``lo = step = NaN`` (it dequantizes to NaN).
 * Codes ``q = clamp(floor((x - lo) * (1 / step) + u), 0, 2^b - 1)`` with ``u`` from the counter hash
   below (``u = 0.5`` for round-to-nearest), computed from the *stored* bf16 ``lo`` and ``step``.
 * Row ``n`` with ``b_n`` bits is packed LSB-first, ``8 / b_n`` codes per byte, into
@@ -27,6 +27,7 @@ _M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 _C1 = 0x85EBCA6B
 _C2 = 0xC2B2AE35
+MIN_STEP = 2.0 ** -126  # smallest normal float32, exactly representable in bfloat16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +124,8 @@ def group_metadata(x2d: Tensor, levels: Tensor, group_size: int) -> Tuple[Tensor
     for _ in range(2):
         short = (lo_f + lv * step.float()) < mx.where(finite, 0.0)
         step = torch.where(short, _bf16_step(step, torch.ones_like(short)), step)
+    # A denormal step would make 1 / step overflow: use at least the smallest normal float32.
+    step = torch.where(step > 0, torch.clamp_min(step, MIN_STEP), step)
     bad = ~finite | ~torch.isfinite(step.float())
     nan = torch.tensor(float("nan"), dtype=torch.bfloat16, device=x2d.device)
     return torch.where(bad, nan, lo), torch.where(bad, nan, step)

@@ -1,0 +1,276 @@
+"""The quantization contract (DESIGN.md), tested through the public API on the active backend."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import actnn_zoo as az
+from actnn_zoo.quant import pack_mask, unpack_mask
+from actnn_zoo.quant import reference as ref
+
+BITS = (1, 2, 4, 8)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def per_element(meta: torch.Tensor, shape, group_size: int) -> torch.Tensor:
+    """(N, G) metadata expanded to the (N, D) rows of a tensor of ``shape``."""
+    n = shape[0] if len(shape) >= 2 else 1
+    d = math.prod(shape) // n if n else 0
+    return meta.float().repeat_interleave(group_size, dim=1)[:, :d].reshape(shape)
+
+
+def dtype_slack(dtype: torch.dtype, y: torch.Tensor) -> torch.Tensor:
+    """Extra error from casting the fp32 dequantized value back to a 16-bit dtype."""
+    if dtype == torch.float32:
+        return torch.zeros_like(y)
+    return y.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
+
+
+# ------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_within_one_step(bits, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(6, 1000) * 3).to(dtype)
+    q = az.quantize(x, bits)
+    y = az.dequantize(q)
+    assert y.shape == x.shape and y.dtype == dtype
+    step = per_element(q.step, x.shape, 256)
+    err = (y.float() - x.float()).abs()
+    assert (err <= step + dtype_slack(dtype, y.float())).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_values_lie_inside_the_stored_range(bits):
+    torch.manual_seed(1)
+    x = torch.randn(4, 700) * torch.logspace(-3, 3, 4).unsqueeze(1)
+    q = az.quantize(x, bits, group_size=64)
+    lo = per_element(q.lo, x.shape, 64)
+    hi = lo + ((1 << bits) - 1) * per_element(q.step, x.shape, 64)
+    assert (x >= lo).all() and (x <= hi).all()
+    # lo and step are bfloat16: ~0.125 extra bits per value at group size 256.
+    assert q.lo.dtype == torch.bfloat16 and q.step.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_nearest_rounding_error_is_at_most_half_a_step(bits):
+    torch.manual_seed(2)
+    x = torch.randn(3, 512)
+    q = az.quantize(x, bits, rounding="nearest")
+    step = per_element(q.step, x.shape, 256)
+    err = (az.dequantize(q) - x).abs()
+    assert (err <= 0.5 * step * (1 + 1e-5) + 1e-7).all()
+
+
+# ----------------------------------------------------------------------------- unbiasedness
+@pytest.mark.parametrize("bits", (1, 2))
+def test_mean_over_seeds_converges_at_one_over_sqrt_k(bits):
+    """E[dequantize(quantize(x))] = x, and the error of the mean falls like 1/sqrt(K).
+
+    One draw's error per value is a two-point variable of variance <= step^2 / 4, so the mean of
+    K draws has standard error <= step / (2 sqrt(K)). We require every one of the 1024 values to
+    be within 5 standard errors (a false alarm has probability < 1e-3), and the RMS error at
+    K = 4000 to be 2.5x-6x smaller than at K = 250 (1/sqrt(K) predicts 4x).
+    """
+    torch.manual_seed(3)
+    x = torch.randn(4, 256) * 2
+    k_small, k_big = 250, 4000
+    total = torch.zeros_like(x)
+    rms = {}
+    for s in range(k_big):
+        total += az.dequantize(az.quantize(x, bits, seed=s))
+        if s + 1 == k_small:
+            rms[k_small] = ((total / k_small - x) ** 2).mean().sqrt()
+    mean = total / k_big
+    rms[k_big] = ((mean - x) ** 2).mean().sqrt()
+    step = per_element(az.quantize(x, bits, seed=0).step, x.shape, 256)
+    assert ((mean - x).abs() <= 5 * step / (2 * math.sqrt(k_big))).all()
+    assert 2.5 < rms[k_small] / rms[k_big] < 6.0
+
+
+def test_seed_determinism_and_torch_generator():
+    x = torch.randn(3, 300)
+    a, b = az.quantize(x, 2, seed=7), az.quantize(x, 2, seed=7)
+    assert torch.equal(a.data, b.data)
+    assert not torch.equal(a.data, az.quantize(x, 2, seed=8).data)
+    torch.manual_seed(11)
+    c = az.quantize(x, 2)
+    torch.manual_seed(11)
+    d = az.quantize(x, 2)
+    assert torch.equal(c.data, d.data)
+
+
+def test_result_does_not_depend_on_strides():
+    torch.manual_seed(4)
+    x = torch.randn(8, 16, 5, 5)
+    cl = x.to(memory_format=torch.channels_last)
+    assert torch.equal(az.quantize(x, 2, seed=1).data, az.quantize(cl, 2, seed=1).data)
+    t = torch.randn(40, 30).t()  # non-contiguous
+    assert torch.equal(az.quantize(t, 4, seed=2).data, az.quantize(t.contiguous(), 4, seed=2).data)
+    y = az.dequantize(az.quantize(cl, 8, seed=3))
+    assert y.shape == x.shape and (y - x).abs().max() < 0.1
+
+
+# ------------------------------------------------------------------------ packing and sizes
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("d", (1, 7, 8, 9, 255, 257, 1000))
+def test_packing_is_exact_at_every_length(bits, d):
+    torch.manual_seed(d)
+    codes = torch.randint(0, 1 << bits, (3, d), dtype=torch.uint8)
+    row_bits = torch.full((3,), bits, dtype=torch.uint8)
+    offsets = ref.row_offsets(d, row_bits)
+    packed = ref.pack_codes(codes, row_bits, offsets, int(offsets[-1]))
+    assert packed.numel() == 3 * math.ceil(d * bits / 8)
+    assert torch.equal(ref.unpack_codes(packed, row_bits, offsets, d), codes)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_codes_round_trip_through_the_backend(bits):
+    """Values already on the quantization grid come back exactly, at every width."""
+    torch.manual_seed(5)
+    d = 301
+    levels = (1 << bits) - 1
+    codes = torch.randint(0, levels + 1, (2, d)).float()
+    codes[:, 0], codes[:, 1] = 0, levels  # pin the range to [0, levels]
+    q = az.quantize(codes, bits, group_size=512)
+    assert torch.equal(q.lo.float(), torch.zeros(2, 1)) and torch.equal(q.step.float(), torch.ones(2, 1))
+    assert torch.equal(az.dequantize(q), codes)
+    assert q.data.numel() == 2 * math.ceil(d * bits / 8)
+
+
+def test_mixed_precision_buffer_has_exactly_the_implied_size():
+    torch.manual_seed(6)
+    d = 777
+    widths = torch.tensor([1, 8, 2, 4, 2, 1, 8])
+    x = torch.randn(len(widths), d)
+    q = az.quantize(x, widths, group_size=128)
+    assert q.mixed and q.data.numel() == sum(math.ceil(d * int(b) / 8) for b in widths)
+    y = az.dequantize(q)
+    step = per_element(q.step, x.shape, 128)
+    assert ((y - x).abs() <= step).all()
+    for n, b in enumerate(widths.tolist()):  # each row matches a uniform quantization's range
+        row = az.quantize(x[n:n + 1], b, group_size=128)
+        assert torch.equal(row.step, q.step[n:n + 1])
+    assert q.nbytes == (q.data.numel() + 2 * 2 * q.lo.numel() + widths.numel()
+                        + 8 * (widths.numel() + 1))
+
+
+@pytest.mark.parametrize("bits,limit", [(2, 1 / 15), (4, 1 / 7.5), (8, 1 / 3.8)])
+def test_storage_limits(bits, limit):
+    x = torch.randn(64, 4096)
+    q = az.quantize(x, bits)
+    assert q.nbytes <= limit * x.numel() * x.element_size()
+    assert q.bits_per_value == pytest.approx(bits + 32 / 256, rel=1e-6)
+
+
+# -------------------------------------------------------------------------------- edge cases
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (5, 0), (2, 0, 3)])
+def test_empty(shape):
+    x = torch.empty(shape)
+    q = az.quantize(x, 2)
+    y = az.dequantize(q)
+    assert y.shape == x.shape and q.data.numel() == 0
+
+
+def test_zero_dim_and_single_element():
+    for x in (torch.tensor(3.25), torch.tensor([-1.5]), torch.tensor([[7.0]])):
+        q = az.quantize(x, 2)
+        y = az.dequantize(q)
+        assert y.shape == x.shape
+        assert (y - x).abs().max() <= q.step.float().max()
+
+
+def test_constant_groups_are_exact_when_representable():
+    x = torch.full((3, 600), 0.75)  # 0.75 is a bfloat16 value: lo = 0.75, step = 0
+    q = az.quantize(x, 2)
+    assert torch.equal(az.dequantize(q), x)
+    y = torch.full((2, 300), 0.1)  # not a bfloat16 value: still within one step
+    qy = az.quantize(y, 2)
+    assert ((az.dequantize(qy) - y).abs() <= qy.step.float().max()).all()
+
+
+def test_huge_and_denormal_values():
+    big = torch.tensor([[1e30, -1e30, 3e29, 0.0] * 64])
+    q = az.quantize(big, 8)
+    y = az.dequantize(q)
+    assert torch.isfinite(y).all() and ((y - big).abs() <= q.step.float().max()).all()
+    tiny = torch.tensor([[1e-40, -3e-41, 0.0, 5e-39] * 64])  # float32 denormals
+    qt = az.quantize(tiny, 8)
+    yt = az.dequantize(qt)
+    assert torch.isfinite(yt).all() and ((yt - tiny).abs() <= qt.step.float().max()).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_poison_only_their_group(bad):
+    x = torch.randn(2, 512)
+    x[1, 300] = bad
+    y = az.dequantize(az.quantize(x, 2, group_size=256))
+    assert torch.isnan(y[1, 256:]).all()
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[1, :256]).all()
+
+
+# ------------------------------------------------------------------------------- bad input
+def test_bad_arguments_name_the_problem():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="bits"):
+        az.quantize(x, 3)
+    with pytest.raises(ValueError, match="bits"):
+        az.quantize(x, True)
+    with pytest.raises(ValueError, match="group_size"):
+        az.quantize(x, 2, group_size=0)
+    with pytest.raises(ValueError, match="group_size"):
+        az.quantize(x, 2, group_size=12)
+    with pytest.raises(TypeError, match="x must be"):
+        az.quantize(torch.arange(8), 2)
+    with pytest.raises(TypeError, match="x must be"):
+        az.quantize(x.double(), 2)
+    with pytest.raises(ValueError, match="rounding"):
+        az.quantize(x, 2, rounding="up")
+    with pytest.raises(ValueError, match="4 samples"):
+        az.quantize(x, torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="bits entries"):
+        az.quantize(x, torch.tensor([2, 3, 2, 2]))
+    with pytest.raises(TypeError, match="bits as a tensor"):
+        az.quantize(x, torch.tensor([2.0, 2.0, 2.0, 2.0]))
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        az.dequantize(x)
+
+
+# ------------------------------------------------------------------------------------ masks
+@pytest.mark.parametrize("n", (0, 1, 7, 8, 9, 1001))
+def test_mask_packing_round_trip(n):
+    torch.manual_seed(n)
+    m = torch.rand(n) > 0.5
+    p = pack_mask(m)
+    assert p.dtype == torch.uint8 and p.numel() == (n + 7) // 8
+    assert torch.equal(unpack_mask(p, m.shape), m)
+
+
+def test_mask_keeps_shape_and_rejects_bad_input():
+    m = torch.rand(3, 5, 7) > 0.3
+    assert torch.equal(unpack_mask(pack_mask(m), m.shape), m)
+    with pytest.raises(TypeError, match="bool"):
+        pack_mask(torch.ones(3))
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack_mask(pack_mask(m), (3, 5, 9))
+
+
+# -------------------------------------------------------------------------- random shapes
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 37), min_size=0, max_size=4),
+       bits=st.sampled_from(BITS), group_size=st.sampled_from((8, 32, 256)),
+       dtype=st.sampled_from(DTYPES), scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2 ** 31 - 2))
+def test_random_shapes_round_trip(shape, bits, group_size, dtype, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * scale).to(dtype)
+    q = az.quantize(x, bits, group_size=group_size, seed=seed)
+    y = az.dequantize(q)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    n = x.shape[0] if x.dim() >= 2 else 1
+    d = x.numel() // n if n else 0
+    assert q.data.numel() == n * math.ceil(d * bits / 8)
+    if x.numel():
+        step = per_element(q.step, x.shape, group_size)
+        assert ((y.float() - x.float()).abs() <= step + dtype_slack(dtype, y.float())).all()
