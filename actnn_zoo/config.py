@@ -1,9 +1,24 @@
-"""Configuration: the per-layer settings a Q-module carries (``module.qconfig``)."""
+"""Configuration: the per-layer settings a Q-module carries (``module.qconfig``) and the
+model-wide :class:`QuantConfig` (YAML/dict loading, validation, per-layer rule resolution).
+
+Everything here is immutable: a ``QuantConfig`` is a value, resolved once per module by the
+converter into a :class:`LayerQConfig` that the module owns. Nothing is registered globally.
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import difflib
+import fnmatch
+import io
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .quant.api import ROUNDING, check_bits, check_group_size
+from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
+
+__all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "as_config"]
 
 
 @dataclass(frozen=True)
@@ -32,3 +47,488 @@ class LayerQConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Bit-allocation strategies a QuantConfig may name. 'uniform' gives every layer the same width;
+# strategies added later (auto precision, ...) extend this tuple in this file, and read
+# ``bits`` as an average budget in [BUDGET_MIN, BUDGET_MAX] rather than one width.
+STRATEGIES: Tuple[str, ...] = ("uniform",)
+BUDGET_MIN, BUDGET_MAX = 1, 8
+GROUP_MULTIPLE = 32  # group sizes a config may ask for (the kernels accept multiples of 8)
+
+TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "rules")
+MATCHER_KEYS = ("type", "name", "pattern")
+ACTION_KEYS = ("bits", "group_size", "rounding", "skip")
+RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
+
+_TYPE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+_Path = Tuple[Union[str, int], ...]
+
+
+# ----------------------------------------------------------------------------- error context
+class _Where:
+    """Where a config came from (file name, YAML line of each key), for error messages."""
+
+    def __init__(self, source: Optional[str] = None,
+                 lines: Optional[Dict[_Path, int]] = None) -> None:
+        self.source = source
+        self.lines = lines or {}
+
+    def error(self, path: _Path, message: str) -> ValueError:
+        head = f"config {self.source!r}" if self.source else "QuantConfig"
+        line = None
+        for k in range(len(path), 0, -1):  # the innermost path element with a known line
+            line = self.lines.get(path[:k])
+            if line is not None:
+                break
+        if line is not None and self.source:
+            head += f", line {line}"
+        elif line is not None:
+            head += f" (line {line})"
+        where = _path_str(path)
+        return ValueError(f"{head}: {where + ': ' if where else ''}{message}")
+
+
+def _path_str(path: _Path) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _unknown_key(key: object, known: Sequence[str], noun: str = "key") -> str:
+    """The 'unknown key' message, with difflib's closest known key as a suggestion."""
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {noun} {key!r}{hint}; known {noun}s: {', '.join(known)}"
+
+
+# ----------------------------------------------------------------------------- field checks
+def _check_layer_bits(value: object) -> int:
+    """A per-layer width: 1, 2, 4 or 8 (an integral float such as 4.0 is accepted)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return check_bits(value, "bits")
+
+
+def _check_budget(strategy: str, value: object) -> Union[int, float]:
+    """``bits`` of the whole config: one width for 'uniform', an average budget otherwise."""
+    if strategy == "uniform":
+        try:
+            return _check_layer_bits(value)
+        except ValueError:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS} for strategy 'uniform', "
+                             f"got {value!r}") from None
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not BUDGET_MIN <= value <= BUDGET_MAX):
+        raise ValueError(f"bits (the average budget) must be a number in "
+                         f"[{BUDGET_MIN}, {BUDGET_MAX}], got {value!r}")
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def _check_group(value: object) -> int:
+    if (isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            or value % GROUP_MULTIPLE):
+        raise ValueError(f"group_size must be a positive multiple of {GROUP_MULTIPLE}, "
+                         f"got {value!r}")
+    return value
+
+
+def _check_rounding(value: object) -> str:
+    if value not in ROUNDING:
+        raise ValueError(f"rounding must be one of {ROUNDING}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _check_bool(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _check_strategy(value: object) -> str:
+    if value not in STRATEGIES:
+        raise ValueError(f"unknown strategy {value!r}; known strategies: {', '.join(STRATEGIES)}")
+    return value  # type: ignore[return-value]
+
+
+def _check_interval(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"update_interval must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_matcher(key: str, value: object) -> Tuple[str, ...]:
+    """A matcher value: one string or a non-empty list of strings (any of them may match)."""
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(
+            isinstance(v, str) for v in items):
+        raise ValueError(f"{key} must be a string or a non-empty list of strings, got {value!r}")
+    for v in items:
+        if key == "type" and not _TYPE_SPEC.match(v):
+            raise ValueError(f"type {v!r} is not a class name ('Conv2d') or a dotted path "
+                             f"('torch.nn.Conv2d')")
+        if key == "pattern" and v.startswith("re:"):
+            try:
+                re.compile(v[3:])
+            except re.error as e:
+                raise ValueError(f"pattern {v!r} is not a valid regular expression: {e}") from None
+    return tuple(items)
+
+
+# ----------------------------------------------------------------------------- matching
+def _type_matches(spec: str, cls: type) -> bool:
+    """'Conv2d' matches the class name; 'torch.nn.Conv2d' a public alias or the defining path.
+
+    Dotted paths are looked up only in already-imported modules: a config never imports code.
+    """
+    if "." not in spec:
+        return spec == cls.__name__
+    mod_name, _, attr = spec.rpartition(".")
+    mod = sys.modules.get(mod_name)
+    if mod is not None and getattr(mod, attr, None) is cls:
+        return True
+    return spec == f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _pattern_matches(pattern: str, name: str) -> bool:
+    """'re:<regex>' must match the whole name; anything else is a glob ('*' crosses dots)."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _module_classes(module: object) -> Tuple[type, ...]:
+    """The classes a ``type`` rule is tested against: the module's own and, for a Q-layer,
+    the torch class it replaces (so a rule for 'Conv2d' still applies on re-conversion)."""
+    cls = type(module)
+    float_cls = getattr(cls, "_FLOAT_MODULE", None)
+    return (cls,) if float_cls is None or float_cls is cls else (cls, float_cls)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of a QuantConfig: exactly one matcher, at least one action.
+
+    Matchers: ``type`` (torch class name or dotted path), ``name`` (exact module name) or
+    ``pattern`` (glob, or ``re:`` + regex, on the module name); each takes a string or a list
+    (any element may match). Actions: ``bits``, ``group_size``, ``rounding``, ``skip``; a rule
+    changes only the fields it sets, so ``skip: false`` in a stronger rule un-skips.
+    """
+
+    type: Tuple[str, ...] = ()
+    name: Tuple[str, ...] = ()
+    pattern: Tuple[str, ...] = ()
+    bits: Optional[int] = None
+    group_size: Optional[int] = None
+    rounding: Optional[str] = None
+    skip: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        _check_rule_values(self, _Where(), ())
+
+    @property
+    def kind(self) -> str:
+        """'type', 'pattern' or 'name': the matcher, which sets the rule's precedence."""
+        return next(k for k in MATCHER_KEYS if getattr(self, k))
+
+    @property
+    def targets(self) -> Tuple[str, ...]:
+        return getattr(self, self.kind)
+
+    def matches(self, module_name: str, module: object) -> bool:
+        if self.type:
+            classes = _module_classes(module)
+            return any(_type_matches(s, c) for s in self.type for c in classes)
+        if self.name:
+            return module_name in self.name
+        return any(_pattern_matches(p, module_name) for p in self.pattern)
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``pattern 'layer1.*'``."""
+        t = self.targets
+        return f"{self.kind} {t[0]!r}" if len(t) == 1 else f"{self.kind} {list(t)!r}"
+
+    def to_dict(self) -> Dict[str, Any]:
+        t = self.targets
+        out: Dict[str, Any] = {self.kind: t[0] if len(t) == 1 else list(t)}
+        for k in ACTION_KEYS:
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Rule":
+        return _rule_from_dict(d, _Where(), ())
+
+
+def _validate_rule(rule: Rule, where: _Where, path: _Path) -> None:
+    """A rule has exactly one matcher and at least one action."""
+    given = [k for k in MATCHER_KEYS if getattr(rule, k)]
+    if not given:
+        raise where.error(path, f"a rule needs one matcher ({', '.join(MATCHER_KEYS)})")
+    if len(given) > 1:
+        raise where.error(path, f"a rule takes exactly one matcher, got {' and '.join(given)} "
+                                f"(write one rule per matcher)")
+    if all(getattr(rule, k) is None for k in ACTION_KEYS):
+        raise where.error(path, f"rule for {rule.describe()} has no action "
+                                f"(set one of {', '.join(ACTION_KEYS)})")
+
+
+_RULE_CHECKS = MappingProxyType({
+    "bits": _check_layer_bits,
+    "group_size": _check_group,
+    "rounding": _check_rounding,
+    "skip": lambda v: _check_bool(v, "skip"),
+})
+
+
+def _check_rule_values(rule: Rule, where: _Where, path: _Path) -> None:
+    """Validate (and normalise in place) every field of a Rule, then its shape."""
+    for key in RULE_KEYS:
+        value = getattr(rule, key)
+        if key in MATCHER_KEYS and value in ((), None):
+            object.__setattr__(rule, key, ())
+            continue
+        if key in ACTION_KEYS and value is None:
+            continue
+        try:
+            value = _check_matcher(key, value) if key in MATCHER_KEYS else _RULE_CHECKS[key](value)
+        except ValueError as e:
+            raise where.error(path + (key,), str(e)) from None
+        object.__setattr__(rule, key, value)
+    _validate_rule(rule, where, path)
+
+
+def _rule_from_dict(d: object, where: _Where, path: _Path) -> Rule:
+    if isinstance(d, Rule):
+        return d
+    if not isinstance(d, Mapping):
+        raise where.error(path, f"a rule must be a mapping, got {type(d).__name__}")
+    for key in d:
+        if key not in RULE_KEYS:
+            raise where.error(path + (str(key),), _unknown_key(key, RULE_KEYS))
+    rule = Rule.__new__(Rule)  # checked with the file context first; Rule() would lose it
+    for f in fields(Rule):
+        object.__setattr__(rule, f.name, d.get(f.name, f.default))
+    _check_rule_values(rule, where, path)
+    return rule
+
+
+# ----------------------------------------------------------------------------- QuantConfig
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a whole model is quantized: global settings plus ordered per-module rules.
+
+    Precedence (as torch.ao's QConfigMapping): global < ``type`` rules < ``pattern`` rules <
+    ``name`` rules; among rules of one kind the later wins. Rules merge field by field.
+    ``bits`` is one width (1, 2, 4, 8) for strategy 'uniform' and an average budget in [1, 8]
+    for the strategies that allocate widths per layer/sample. ``update_interval`` is how often
+    (in steps) such strategies re-allocate. ``enabled: false`` converts nothing.
+    """
+
+    bits: Union[int, float] = 2
+    group_size: int = 256
+    strategy: str = "uniform"
+    rounding: str = "stochastic"
+    enabled: bool = True
+    update_interval: int = 1
+    rules: Tuple[Rule, ...] = ()
+    source: Optional[str] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        values = _validate_top({f.name: getattr(self, f.name) for f in fields(self)
+                                if f.name != "source"}, _Where(self.source))
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    # -- loading / saving
+    @classmethod
+    def from_dict(cls, d: Optional[Mapping[str, Any]], source: Optional[str] = None
+                  ) -> "QuantConfig":
+        """Build from a plain dict (as read from YAML); missing keys take the defaults."""
+        return cls._from_dict(d, _Where(source))
+
+    @classmethod
+    def _from_dict(cls, d: Optional[Mapping[str, Any]], where: _Where) -> "QuantConfig":
+        if d is None:
+            d = {}
+        if not isinstance(d, Mapping):
+            raise where.error((), f"the config must be a mapping of keys to values, "
+                                  f"got {type(d).__name__}")
+        for key in d:
+            if key not in TOP_KEYS:
+                raise where.error((str(key),), _unknown_key(key, TOP_KEYS))
+        values = _validate_top(dict(d), where)
+        return cls(**values, source=where.source)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain dict of every setting (defaults included); ``from_dict`` reads it back."""
+        out = {k: getattr(self, k) for k in TOP_KEYS if k != "rules"}
+        out["rules"] = [r.to_dict() for r in self.rules]
+        return out
+
+    @classmethod
+    def from_yaml(cls, path_or_stream: Union[str, "os.PathLike[str]", io.IOBase, Any]
+                  ) -> "QuantConfig":
+        """Load a YAML file (path) or stream; errors name the file, key and line."""
+        import yaml
+
+        if isinstance(path_or_stream, (str, os.PathLike)):
+            source = os.fspath(path_or_stream)
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+        else:
+            text = path_or_stream.read()
+            source = getattr(path_or_stream, "name", None) or "<stream>"
+            if isinstance(text, bytes):
+                text = text.decode("utf-8")
+        try:
+            data = yaml.safe_load(text)
+            lines = _yaml_key_lines(yaml.compose(text, Loader=yaml.SafeLoader), source)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+            at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise ValueError(f"config {source!r}{at}: malformed YAML: {problem}") from None
+        return cls._from_dict(data, _Where(source, lines))
+
+    def to_yaml(self, path: Union[str, "os.PathLike[str]", None] = None) -> str:
+        """The YAML text of :meth:`to_dict`; also written to ``path`` when given."""
+        import yaml
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+    def replace(self, **changes: Any) -> "QuantConfig":
+        """A copy with some settings changed (validated); unknown names are a TypeError."""
+        for key in changes:
+            if key not in TOP_KEYS:
+                raise TypeError(_unknown_key(key, TOP_KEYS, "setting"))
+        values = {k: getattr(self, k) for k in TOP_KEYS}
+        values.update(changes)
+        return QuantConfig(**values)
+
+    # -- resolution
+    def layer_bits(self) -> int:
+        """The width a layer gets before any rule: ``bits`` for 'uniform'; for budget
+        strategies the largest supported width within the budget (the strategy refines it)."""
+        return max(b for b in SUPPORTED_BITS if b <= self.bits)
+
+    def explain(self, module_name: str, module: object
+                ) -> Tuple[Optional[LayerQConfig], Optional[str]]:
+        """(settings, None) for a module to quantize, or (None, why) for one to leave alone."""
+        if not self.enabled:
+            return None, "disabled"
+        bits, group, rounding = self.layer_bits(), self.group_size, self.rounding
+        skip, skip_by = False, None
+        for kind in ("type", "pattern", "name"):  # weakest first; later rules override
+            for index, rule in enumerate(self.rules):
+                if rule.kind != kind or not rule.matches(module_name, module):
+                    continue
+                bits = rule.bits if rule.bits is not None else bits
+                group = rule.group_size if rule.group_size is not None else group
+                rounding = rule.rounding if rule.rounding is not None else rounding
+                if rule.skip is not None:
+                    skip, skip_by = rule.skip, index
+        if skip:
+            return None, f"skipped by rule {skip_by} ({self.rules[skip_by].describe()})"
+        return LayerQConfig(bits=bits, group_size=group, rounding=rounding), None
+
+    def resolve(self, module_name: str, module: object) -> Optional[LayerQConfig]:
+        """The settings for the module at ``module_name``, or None to leave it unconverted."""
+        return self.explain(module_name, module)[0]
+
+    def unmatched_rules(self, named_modules: Iterable[Tuple[str, object]]) -> List[int]:
+        """Indices of rules that match none of the (name, module) pairs."""
+        pending = set(range(len(self.rules)))
+        for name, module in named_modules:
+            pending -= {i for i in pending if self.rules[i].matches(name, module)}
+            if not pending:
+                break
+        return sorted(pending)
+
+
+def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
+    """Validate and normalise top-level values (only the keys present)."""
+    out = dict(values)
+    checks = {
+        "group_size": _check_group,
+        "strategy": _check_strategy,
+        "rounding": _check_rounding,
+        "enabled": lambda v: _check_bool(v, "enabled"),
+        "update_interval": _check_interval,
+    }
+    for key, check in checks.items():
+        if key in out:
+            try:
+                out[key] = check(out[key])
+            except ValueError as e:
+                raise where.error((key,), str(e)) from None
+    if "bits" in out:
+        try:
+            out["bits"] = _check_budget(out.get("strategy", "uniform"), out["bits"])
+        except ValueError as e:
+            raise where.error(("bits",), str(e)) from None
+    if "rules" in out:
+        rules = out["rules"]
+        if rules is None:
+            rules = ()
+        if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Sequence):
+            raise where.error(("rules",), f"rules must be a list of rules, got "
+                                          f"{type(rules).__name__}")
+        out["rules"] = tuple(_rule_from_dict(r, where, ("rules", i)) for i, r in enumerate(rules))
+    return out
+
+
+def _yaml_key_lines(node: Any, source: str) -> Dict[_Path, int]:
+    """1-based line of each top-level key, each rule and each rule key; duplicate keys are an
+    error (yaml.safe_load would silently keep the last)."""
+    import yaml
+
+    lines: Dict[_Path, int] = {}
+
+    def mapping(n: Any, path: _Path) -> None:
+        if not isinstance(n, yaml.MappingNode):
+            return
+        seen = set()
+        for k, v in n.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            if key is None:
+                continue
+            if key in seen:
+                raise ValueError(f"config {source!r}, line {k.start_mark.line + 1}: "
+                                 f"{_path_str(path + (key,))}: duplicate key {key!r}")
+            seen.add(key)
+            lines[path + (key,)] = k.start_mark.line + 1
+            if path == () and key == "rules" and isinstance(v, yaml.SequenceNode):
+                for i, item in enumerate(v.value):
+                    lines[("rules", i)] = item.start_mark.line + 1
+                    mapping(item, ("rules", i))
+
+    if node is not None:
+        mapping(node, ())
+    return lines
+
+
+ConfigLike = Union[None, str, "os.PathLike[str]", Mapping[str, Any], QuantConfig]
+
+
+def as_config(config: ConfigLike = None, **overrides: Any) -> QuantConfig:
+    """Any accepted config form (None, YAML path, dict, QuantConfig) plus keyword overrides."""
+    if config is None:
+        cfg = QuantConfig()
+    elif isinstance(config, QuantConfig):
+        cfg = config
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = QuantConfig.from_yaml(config)
+    elif isinstance(config, Mapping):
+        cfg = QuantConfig.from_dict(config)
+    else:
+        raise TypeError(f"config must be None, a YAML path, a dict or a QuantConfig, "
+                        f"got {type(config).__name__}")
+    return cfg.replace(**overrides) if overrides else cfg

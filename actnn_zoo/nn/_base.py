@@ -9,19 +9,22 @@ from torch import Tensor, nn
 from ..config import LayerQConfig
 
 _Q_ATTRS = ("qconfig", "sample_bits")
+_COPIED = ("_parameters", "_buffers", "_modules")
 
 
 def _clone_state(src: nn.Module, dst: nn.Module) -> None:
     """Give ``dst`` the attributes of ``src``, sharing Parameters, buffers and submodules.
 
-    The containers (parameter/buffer/module/hook dicts) are copied so that later additions to
-    one module do not appear on the other; the objects in them are shared, so state_dict keys
-    and values, an optimizer built earlier and pretrained weights all stay valid.
+    The parameter/buffer/module containers are copied so that later additions to one module do
+    not appear on the other; the objects in them are shared, so state_dict keys and values, an
+    optimizer built earlier and pretrained weights all stay valid. Hook dicts are shared as they
+    are, so a handle returned before conversion still removes its hook afterwards.
     """
     for key, value in src.__dict__.items():
         if key in _Q_ATTRS:
             continue
-        dst.__dict__[key] = value.copy() if isinstance(value, dict) else value
+        copy = key in _COPIED and isinstance(value, dict)
+        dst.__dict__[key] = value.copy() if copy else value
 
 
 class QModule:

@@ -1,0 +1,288 @@
+"""The float -> Q mapping, convert_model, restore_model, register_mapping.
+
+Design (DESIGN.md rules 1-2):
+
+* No global registry. The default mapping is derived, at call time, from the Q classes that
+  :mod:`actnn_zoo.nn` exports (every ``QModule`` subclass with a ``_FLOAT_MODULE``).
+  :func:`register_mapping` is a pure function returning a NEW mapping, which the caller passes
+  to ``convert_model(..., mapping=...)``: a registration only affects the conversions that are
+  given it, and never a model converted earlier or elsewhere in the process.
+* Conversion swaps modules in place through their parent (``setattr``) and builds each Q-layer
+  with ``Q.from_float(module, layer_qconfig)``, which shares the Parameter and buffer objects
+  and the hooks: state_dict, optimizers built earlier, device, dtype and train/eval mode carry
+  over. A module object reachable under several names becomes one Q-layer.
+* Re-conversion is declarative: ``convert_model(model, cfg)`` leaves the model as a fresh
+  conversion with ``cfg`` would, whatever was done to it before. A Q-layer that ``cfg`` still
+  quantizes keeps its object (hooks, identity) and gets the new ``qconfig`` (its per-sample
+  widths are cleared; a precision strategy sets them again); one that ``cfg`` skips or
+  disables goes back to its torch class.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+
+from torch import nn
+
+from . import nn as qnn
+from .config import TOP_KEYS, ConfigLike, QuantConfig, _unknown_key, as_config
+from .nn._base import QModule
+
+__all__ = ["convert_model", "restore_model", "register_mapping", "default_mapping",
+           "conversion_report", "ConversionReport", "ConvertedLayer", "SkippedLayer",
+           "UnmatchedRule"]
+
+QMapping = Mapping[Type[nn.Module], Optional[Type[nn.Module]]]
+REPORT_ATTR = "actnn_zoo_report"
+
+
+# ----------------------------------------------------------------------------- mapping
+def _is_q_class(obj: object) -> bool:
+    return (isinstance(obj, type) and issubclass(obj, QModule) and issubclass(obj, nn.Module)
+            and isinstance(getattr(obj, "_FLOAT_MODULE", None), type))
+
+
+def default_mapping() -> Dict[Type[nn.Module], Type[nn.Module]]:
+    """torch class -> Q class for every Q-layer :mod:`actnn_zoo.nn` exports right now.
+
+    A fresh dict on every call (the caller may change it freely). When two exported classes
+    replace the same torch class, the one named ``'Q' + torch name`` wins, else the first by
+    name, so the result does not depend on import order.
+    """
+    found: Dict[Type[nn.Module], List[type]] = {}
+    for obj in vars(qnn).values():
+        if _is_q_class(obj) and obj not in found.get(obj._FLOAT_MODULE, []):
+            found.setdefault(obj._FLOAT_MODULE, []).append(obj)
+    out = {}
+    for float_cls, candidates in found.items():
+        candidates.sort(key=lambda c: (c.__name__ != "Q" + float_cls.__name__, c.__name__))
+        out[float_cls] = candidates[0]
+    return out
+
+
+def _check_pair(float_cls: object, q_cls: object) -> None:
+    if not (isinstance(float_cls, type) and issubclass(float_cls, nn.Module)):
+        raise TypeError(f"mapping keys must be nn.Module classes, got {float_cls!r}")
+    if q_cls is None:
+        return
+    if not _is_q_class(q_cls):
+        raise TypeError(f"{float_cls.__name__} is mapped to {q_cls!r}, which is not a QModule "
+                        f"nn.Module class with a _FLOAT_MODULE")
+    if q_cls._FLOAT_MODULE is not float_cls:  # type: ignore[union-attr]
+        raise ValueError(f"{q_cls.__name__}._FLOAT_MODULE is "  # type: ignore[union-attr]
+                         f"{q_cls._FLOAT_MODULE.__name__}, "  # type: ignore[union-attr]
+                         f"so it cannot replace {float_cls.__name__}")
+
+
+def register_mapping(float_cls: Type[nn.Module], q_cls: Optional[Type[nn.Module]],
+                     mapping: Optional[QMapping] = None) -> Dict[Type[nn.Module],
+                                                                 Optional[Type[nn.Module]]]:
+    """A new mapping: ``mapping`` (default: :func:`default_mapping`) plus ``float_cls -> q_cls``.
+
+    Nothing global changes: pass the result to ``convert_model(model, mapping=...)``. Models
+    converted before, or without it, are not affected. ``q_cls=None`` opts ``float_cls`` out
+    of conversion. ``q_cls._FLOAT_MODULE`` must be ``float_cls`` (``from_float`` checks it).
+    """
+    _check_pair(float_cls, q_cls)
+    out: Dict[Type[nn.Module], Optional[Type[nn.Module]]] = dict(
+        default_mapping() if mapping is None else mapping)
+    out[float_cls] = q_cls
+    return out
+
+
+def _effective_mapping(mapping: Optional[QMapping]) -> Dict[type, Optional[type]]:
+    table: Dict[type, Optional[type]] = dict(default_mapping())
+    if mapping is not None:
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"mapping must be a dict of torch class -> Q class, "
+                            f"got {type(mapping).__name__}")
+        for float_cls, q_cls in mapping.items():
+            _check_pair(float_cls, q_cls)
+        table.update(mapping)
+    return table
+
+
+# ----------------------------------------------------------------------------- report
+@dataclass(frozen=True)
+class ConvertedLayer:
+    name: str
+    from_type: str
+    to_type: str
+    bits: int
+    group_size: int
+    rounding: str
+
+
+@dataclass(frozen=True)
+class SkippedLayer:
+    name: str
+    type: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class UnmatchedRule:
+    index: int
+    rule: str
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert_model` did: plain strings and numbers, no module references.
+
+    ``skipped`` lists leaf modules without a Q-layer (they keep saving full tensors) and any
+    module with a Q-layer that a rule or ``enabled: false`` kept as it was.
+    """
+
+    converted: List[ConvertedLayer] = field(default_factory=list)
+    skipped: List[SkippedLayer] = field(default_factory=list)
+    unmatched_rules: List[UnmatchedRule] = field(default_factory=list)
+    config: Optional[QuantConfig] = None
+
+    def __str__(self) -> str:
+        out = [f"actnn_zoo conversion: {len(self.converted)} converted, {len(self.skipped)} "
+               f"skipped, {len(self.unmatched_rules)} unmatched rule(s)"]
+        if self.converted:
+            out.append("converted:")
+            out += _table(("name", "from", "to", "bits", "group"),
+                          [(c.name or "<root>", c.from_type, c.to_type, str(c.bits),
+                            str(c.group_size)) for c in self.converted])
+        if self.skipped:
+            out.append("skipped:")
+            out += _table(("name", "type", "reason"),
+                          [(s.name or "<root>", s.type, s.reason) for s in self.skipped])
+        if self.unmatched_rules:
+            out.append("unmatched rules:")
+            out += [f"  rules[{u.index}] {u.rule}" for u in self.unmatched_rules]
+        return "\n".join(out)
+
+
+def _table(header: Tuple[str, ...], rows: List[Tuple[str, ...]]) -> List[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+            for r in [header, *rows]]
+
+
+def conversion_report(model: nn.Module) -> ConversionReport:
+    """The report of the last :func:`convert_model` on ``model`` (``model.actnn_zoo_report``)."""
+    report = getattr(model, REPORT_ATTR, None)
+    if not isinstance(report, ConversionReport):
+        raise ValueError("this model was not converted by actnn_zoo.convert_model")
+    return report
+
+
+# ----------------------------------------------------------------------------- swapping
+def _swap(root: nn.Module, decide: Callable[[str, nn.Module], Optional[nn.Module]]
+          ) -> nn.Module:
+    """Replace modules as ``decide(first_name, module)`` says (None = keep); returns the root.
+
+    Each distinct module object is decided once (under the first name named_modules gives
+    it), then every slot holding it, in every parent, is pointed at the replacement. Parents
+    are looked up through the replacements, so a replaced parent gets replaced children.
+    """
+    paths = list(root.named_modules(remove_duplicate=False))
+    new: Dict[int, nn.Module] = {}
+    decided = set()
+    for name, mod in paths:
+        if id(mod) in decided:
+            continue
+        decided.add(id(mod))
+        repl = decide(name, mod)
+        if repl is not None and repl is not mod:
+            new[id(mod)] = repl
+    if not new:
+        return root
+    by_path = dict(paths)
+    for name, mod in paths:
+        if not name or id(mod) not in new:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = by_path[parent_name]
+        setattr(new.get(id(parent), parent), attr, new[id(mod)])
+    return new.get(id(root), root)
+
+
+def _float_type(mod: nn.Module) -> type:
+    return mod._FLOAT_MODULE if isinstance(mod, QModule) else type(mod)  # type: ignore
+
+
+def convert_model(model: nn.Module, config: ConfigLike = None, *,
+                  mapping: Optional[QMapping] = None, **overrides: Any) -> nn.Module:
+    """Swap every layer with a Q-layer for it, in place; returns the (possibly new) root.
+
+    ``config``: None (defaults: 2 bits), a YAML path, a dict or a :class:`QuantConfig`;
+    ``overrides`` (``bits=4``, ...) apply on top. ``mapping`` adds to or overrides the default
+    torch -> Q class mapping (see :func:`register_mapping`; a value None opts a class out).
+    Matching is by exact type; other modules are left alone. Q-layers already in the model are
+    re-configured, swapped or restored so the result equals a fresh conversion (module doc).
+    The root itself is converted when it has a Q-layer; use the returned object.
+    A :class:`ConversionReport` is stored as ``model.actnn_zoo_report`` (see
+    :func:`conversion_report`); rules that match no module raise a UserWarning.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_model expects an nn.Module, got {type(model).__name__}")
+    for key in overrides:
+        if key not in TOP_KEYS:
+            raise TypeError(f"convert_model() got an {_unknown_key(key, TOP_KEYS, 'override')}")
+    cfg = as_config(config, **overrides)
+    table = _effective_mapping(mapping)
+    report = ConversionReport(config=cfg)
+
+    def decide(name: str, mod: nn.Module) -> Optional[nn.Module]:
+        float_cls = _float_type(mod)
+        is_q = isinstance(mod, QModule)
+        # An existing Q-layer stays of its class unless the mapping says otherwise.
+        target = table[float_cls] if float_cls in table else (type(mod) if is_q else None)
+        if target is None:
+            if is_q:  # explicitly opted out by the mapping: back to torch
+                report.skipped.append(SkippedLayer(name, float_cls.__name__,
+                                                   "no Q layer for this type; restored to torch"))
+                return mod.to_float()  # type: ignore[union-attr]
+            if not any(True for _ in mod.children()):
+                report.skipped.append(SkippedLayer(name, type(mod).__name__,
+                                                   "no Q layer for this type"))
+            return None
+        lc, reason = cfg.explain(name, mod)
+        if lc is None:
+            reason = (reason or "skipped") + ("; restored to torch" if is_q else "")
+            report.skipped.append(SkippedLayer(name, float_cls.__name__, reason))
+            return mod.to_float() if is_q else None  # type: ignore[union-attr]
+        report.converted.append(ConvertedLayer(name, type(mod).__name__, target.__name__,
+                                               lc.bits, lc.group_size, lc.rounding))
+        if is_q and type(mod) is target:
+            mod.qconfig = lc
+            mod.sample_bits = None
+            return mod
+        source = mod.to_float() if is_q else mod  # type: ignore[union-attr]
+        return target.from_float(source, lc)  # type: ignore[union-attr]
+
+    all_pairs = list(model.named_modules(remove_duplicate=False))
+    new_root = _swap(model, decide)
+    unmatched = cfg.unmatched_rules(all_pairs)
+    report.unmatched_rules = [UnmatchedRule(i, cfg.rules[i].describe()) for i in unmatched]
+    if unmatched:
+        listed = "; ".join(f"rules[{u.index}] {u.rule}" for u in report.unmatched_rules)
+        warnings.warn(f"actnn_zoo.convert_model: {len(unmatched)} config rule(s) matched no "
+                      f"module in the model: {listed}", UserWarning, stacklevel=2)
+    setattr(new_root, REPORT_ATTR, report)
+    return new_root
+
+
+def restore_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert_model`: every Q-layer back to its torch class, in place.
+
+    Parameters and buffers are shared, so the state_dict is unchanged. Returns the root
+    (a new object when the root itself was a Q-layer).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"restore_model expects an nn.Module, got {type(model).__name__}")
+
+    def decide(name: str, mod: nn.Module) -> Optional[nn.Module]:
+        return mod.to_float() if isinstance(mod, QModule) else None
+
+    root = _swap(model, decide)
+    for m in {id(model): model, id(root): root}.values():
+        if REPORT_ATTR in vars(m):
+            delattr(m, REPORT_ATTR)
+    return root

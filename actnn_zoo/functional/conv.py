@@ -1,0 +1,173 @@
+"""Convolution, plain and transposed, 1d/2d/3d, that saves its input compressed.
+
+Forward calls the same ``F.conv{1,2,3}d`` / ``F.conv_transpose{1,2,3}d`` the torch module calls,
+on the real input, so the output (autocast included) is exactly torch's; only the copy kept for
+backward is compressed. Backward dequantizes it and calls the public
+``aten::convolution_backward`` (one code path for CPU and CUDA, every stride/padding/dilation/
+groups/output_padding combination). The weight gradient is linear in the saved input, hence
+unbiased under stochastic rounding; the input gradient does not read it and is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..config import LayerQConfig
+from ._saving import compress, load, restore, save
+from .linear import cast, dtype_of, memory_format_of
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """The hyper-parameters of one convolution call, as the torch functional op takes them.
+
+    ``padding`` may be the strings 'same' / 'valid' (plain conv only); :meth:`backward_padding`
+    turns it into what ``convolution_backward`` needs.
+    """
+
+    dims: int
+    stride: Tuple[int, ...]
+    padding: Union[str, Tuple[int, ...]]
+    dilation: Tuple[int, ...]
+    groups: int
+    transposed: bool = False
+    output_padding: Tuple[int, ...] = ()
+    pad_mode: str = "zeros"  # 'reflect' / 'replicate' / 'circular': F.pad(x, pad_nd) first
+    pad_nd: Tuple[int, ...] = ()
+
+    def run(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """The torch op itself (what nn.ConvNd / nn.ConvTransposeNd compute)."""
+        x = self.pad(x)
+        if self.transposed:
+            return _CONV_T[self.dims](x, weight, bias, self.stride, self.padding,
+                                      self.output_padding, self.groups, self.dilation)
+        return _CONV[self.dims](x, weight, bias, self.stride, self.padding, self.dilation,
+                                self.groups)
+
+    def pad(self, x: Tensor) -> Tensor:
+        """padding_mode != 'zeros': the F.pad torch's module applies before the conv."""
+        if self.pad_mode == "zeros":
+            return x
+        return F.pad(x, list(self.pad_nd), mode=self.pad_mode)
+
+    def pad_backward(self, grad: Tensor, shape: torch.Size) -> Tensor:
+        """The gradient of :meth:`pad` (public aten backward ops; circular by slicing)."""
+        if self.pad_mode == "zeros":
+            return grad
+        if self.pad_mode == "circular":
+            for i in range(len(self.pad_nd) // 2):
+                dim = grad.dim() - 1 - i
+                left, right = self.pad_nd[2 * i], self.pad_nd[2 * i + 1]
+                size = grad.shape[dim] - left - right
+                core = grad.narrow(dim, left, size).clone()
+                if left:
+                    core.narrow(dim, size - left, left).add_(grad.narrow(dim, 0, left))
+                if right:
+                    core.narrow(dim, 0, right).add_(grad.narrow(dim, left + size, right))
+                grad = core
+            return grad
+        kind = {"reflect": "reflection", "replicate": "replication"}[self.pad_mode]
+        op = getattr(torch.ops.aten, f"{kind}_pad{self.dims}d_backward")
+        # The op reads only the input's shape.
+        return op(grad, grad.new_empty(()).expand(shape), list(self.pad_nd))
+
+    def backward_padding(self, kernel: Tuple[int, ...]) -> Tuple[List[int], List[int]]:
+        """(symmetric padding, extra zeros after the input) per spatial dim.
+
+        'same' with an even receptive field pads one more on the right; like aten's own
+        'same' convolution we express that as an explicit right pad plus a symmetric padding.
+        """
+        if self.padding == "valid":
+            return [0] * self.dims, [0] * self.dims
+        if self.padding == "same":
+            left, extra = [], []
+            for d, k in zip(self.dilation, kernel):
+                total = d * (k - 1)
+                left.append(total // 2)
+                extra.append(total - 2 * (total // 2))
+            return left, extra
+        return list(self.padding), [0] * self.dims
+
+    def output_padding_list(self) -> List[int]:
+        return list(self.output_padding) if self.transposed else [0] * self.dims
+
+
+def _padded_shape(shape: torch.Size, spec: ConvSpec) -> torch.Size:
+    """The input's shape after padding_mode's F.pad."""
+    if spec.pad_mode == "zeros":
+        return shape
+    pads = list(spec.pad_nd)
+    spatial = [s + pads[2 * (spec.dims - 1 - i)] + pads[2 * (spec.dims - 1 - i) + 1]
+               for i, s in enumerate(shape[2:])]
+    return torch.Size(list(shape[:2]) + spatial)
+
+
+class ConvFunction(torch.autograd.Function):
+    """Saves compress(x) (only when the weight needs a gradient) and the weight (a Parameter).
+
+    Inputs must be batched (N, C, *spatial); the module unsqueezes unbatched ones. With
+    padding_mode != 'zeros' the unpadded input is compressed and re-padded in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
+                qconfig: LayerQConfig, bits: Union[int, Tensor]) -> Tensor:
+        out = spec.run(x, weight, bias)  # autocast applies here exactly as in the torch module
+        need_w = ctx.needs_input_grad[1]
+        ctx.spec = spec
+        ctx.x_shape = x.shape
+        ctx.xp_shape = _padded_shape(x.shape, spec)
+        ctx.x_format = memory_format_of(x)
+        ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
+        ctx.compute_dtype = out.dtype
+        save(ctx, compress(x, qconfig, bits) if need_w else None, weight)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x_q, weight = load(ctx)
+        spec: ConvSpec = ctx.spec
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dt = ctx.compute_dtype
+        pad, extra = spec.backward_padding(tuple(weight.shape[2:]))
+        # F.pad order: last spatial dim first, (before, after) pairs.
+        pad_nd = [v for e in reversed(extra) for v in (0, e)]
+        xp_shape = ctx.xp_shape  # after padding_mode's F.pad
+        padded_shape = xp_shape[:2] + tuple(s + e for s, e in zip(xp_shape[2:], extra))
+        gi = gw = gb = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            go = grad_out.to(dt)
+            if need_w:
+                x = spec.pad(restore(x_q).to(dt).contiguous(memory_format=ctx.x_format))
+                if any(extra):
+                    x = F.pad(x, pad_nd)
+            else:
+                # Only the input gradient is wanted: the op reads the input's shape, not values.
+                x = go.new_empty(()).expand(padded_shape)
+            if need_x or need_w:
+                # Bias grad comes with the weight grad (oneDNN computes them together); alone,
+                # it is just a sum, done below.
+                mask = [need_x, need_w, need_b and need_w]
+                gi, gw, gb = torch.ops.aten.convolution_backward(
+                    go, x, weight.to(dt), [go.shape[1]] if mask[2] else None,
+                    list(spec.stride), pad, list(spec.dilation), spec.transposed,
+                    spec.output_padding_list(), spec.groups, mask)
+                gi = gi if need_x else None
+                gw = gw if need_w else None
+            if need_b and not need_w:
+                gb = go.sum([0] + list(range(2, go.dim())))
+            if gi is not None and any(extra):
+                gi = gi[(slice(None), slice(None)) + tuple(slice(0, s) for s in xp_shape[2:])]
+            if gi is not None:
+                gi = spec.pad_backward(gi, ctx.x_shape)
+        return cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None, None

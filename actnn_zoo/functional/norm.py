@@ -1,0 +1,283 @@
+"""BatchNorm (local and synchronised), LayerNorm and GroupNorm that save their input compressed.
+
+Forward runs the public ``aten::native_*_norm`` op on the real input: the same kernel torch's
+functional op ends in, so the output is torch's, and it also returns the statistics (mean and
+invstd / rstd) that backward needs. Saved: compress(x), the statistics (one pair per channel or
+per row, exact), the weight (a Parameter). Backward dequantizes x and calls the public
+``aten::native_*_norm_backward``. The weight gradient is linear in the saved input (the
+statistics are exact), hence unbiased; the input gradient is not (it is quadratic in the saved
+input), so it is only approximately unbiased.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..config import LayerQConfig
+from ._saving import compress, load, restore, save
+from .linear import cast, dtype_of, memory_format_of
+
+Bits = Union[int, Tensor]
+
+
+def autocast_dtype(x: Tensor, probe: Callable[[Tensor], Tensor]) -> torch.dtype:
+    """The dtype torch's own functional op would compute in for ``x`` right now.
+
+    Autocast policies differ per device (CUDA runs layer_norm/group_norm in float32, CPU leaves
+    them alone); rather than copy the tables, run the functional op on an empty tensor and read
+    the dtype autocast gave it. Costs nothing when autocast is off.
+    """
+    if not torch.is_autocast_enabled(x.device.type):
+        return x.dtype
+    return probe(x).dtype
+
+
+def _autocast_inputs(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                     dt: torch.dtype) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """An autocast float32 policy casts every floating argument; mirror it when it applied."""
+    if dt == x.dtype:
+        return x, weight, bias
+    return x.to(dt), cast(weight, dt), cast(bias, dt)
+
+
+def _channel_dims(x: Tensor) -> List[int]:
+    return [0] + list(range(2, x.dim()))
+
+
+def _needs_saved_input(ctx, weight_index: int) -> bool:
+    """The input is read back only for the input and weight gradients (bias needs a sum)."""
+    return ctx.needs_input_grad[0] or ctx.needs_input_grad[weight_index]
+
+
+# -- BatchNorm ----------------------------------------------------------------------------------
+def _bn_probe(x: Tensor) -> Tensor:
+    e = x.new_empty((0, 1))
+    return F.batch_norm(e, None, None, training=True)
+
+
+class BatchNormFunction(torch.autograd.Function):
+    """Training-mode batch norm; running statistics are updated in forward exactly as torch does
+    (``native_batch_norm`` updates them in place with the given momentum, unbiased variance)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                running_mean: Optional[Tensor], running_var: Optional[Tensor], momentum: float,
+                eps: float, qconfig: LayerQConfig, bits: Bits) -> Tensor:
+        dt = autocast_dtype(x, _bn_probe)
+        xc, w, b = _autocast_inputs(x, weight, bias, dt)
+        out, mean, invstd = torch.ops.aten.native_batch_norm(xc, w, b, running_mean, running_var,
+                                                             True, momentum, eps)
+        ctx.eps = eps
+        ctx.x_format = memory_format_of(x)
+        ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
+        ctx.compute_dtype = dt
+        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 1) else None
+        save(ctx, x_q, mean, invstd, weight)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x_q, mean, invstd, weight = load(ctx)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dt = ctx.compute_dtype
+        gi = gw = gb = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            go = grad_out.to(dt)
+            if x_q is not None:
+                x = restore(x_q).to(dt).contiguous(memory_format=ctx.x_format)
+                gi, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                    go, x, cast(weight, dt if dt != x_dtype else None), None, None, mean,
+                    invstd, True, ctx.eps, [need_x, need_w, need_b])
+            elif need_b:
+                gb = go.sum(_channel_dims(go))
+        return (cast(gi, x_dtype) if need_x else None, cast(gw, w_dtype) if need_w else None,
+                cast(gb, b_dtype) if need_b else None) + (None,) * 6
+
+
+def _gather_moments(x: Tensor, process_group, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Global per-channel (mean, biased var, count) over every rank of ``process_group``.
+
+    Each rank contributes (count, mean, M2 = sum of squared deviations); the combination is
+    Chan's parallel formula, which avoids the cancellation of a sum-of-squares approach.
+    """
+    import torch.distributed as dist
+
+    xf = x.float()
+    c = x.shape[1]
+    count = x.numel() // c if c else 0
+    if count > 0:
+        var_l, mean_l = torch.var_mean(xf, _channel_dims(x), correction=0)
+    else:
+        var_l = mean_l = xf.new_zeros(c)
+    local = torch.cat([mean_l, var_l * count, xf.new_full((1,), float(count))])
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local, group=process_group)
+    allv = torch.stack(gathered)  # (world, 2C + 1)
+    means, m2s, counts = allv[:, :c], allv[:, c:2 * c], allv[:, 2 * c:]
+    total = counts.sum()
+    if float(total) == 0:
+        raise ValueError("SyncBatchNorm: the input is empty on every rank")
+    mean = (means * counts).sum(0) / total
+    m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+    return mean, m2 / total, total
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch norm with statistics over every rank of a process group (public torch.distributed).
+
+    Forward all-gathers per-rank (count, mean, M2); backward all-reduces the two reductions
+    (sum dy, sum dy * (x - mean)) over the dequantized input, like nn.SyncBatchNorm. The weight
+    and bias gradients stay local (DDP averages them), as in nn.SyncBatchNorm.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                running_mean: Optional[Tensor], running_var: Optional[Tensor], momentum: float,
+                eps: float, process_group, world_size: int, qconfig: LayerQConfig,
+                bits: Bits) -> Tensor:
+        dt = autocast_dtype(x, _bn_probe)
+        xc, w, b = _autocast_inputs(x, weight, bias, dt)
+        mean, var, total = _gather_moments(xc, process_group, world_size)
+        n = float(total)
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_((mean * momentum).to(running_mean.dtype))
+        if running_var is not None:
+            unbiased = var * (n / (n - 1)) if n > 1 else var
+            running_var.mul_(1 - momentum).add_((unbiased * momentum).to(running_var.dtype))
+        # Eval-mode native batch norm with the global statistics: (x - mean) / sqrt(var + eps).
+        out = torch.ops.aten.native_batch_norm(xc, w, b, mean, var, False, 0.0, eps)[0]
+        invstd = torch.rsqrt(var + eps)
+        ctx.count = n
+        ctx.group = process_group
+        ctx.x_format = memory_format_of(x)
+        ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
+        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 1) else None
+        save(ctx, x_q, mean, invstd, weight)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        import torch.distributed as dist
+
+        x_q, mean, invstd, weight = load(ctx)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        gi = gw = gb = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            go = grad_out.float()
+            dims = _channel_dims(go)
+            shape = [1, -1] + [1] * (go.dim() - 2)
+            sum_dy = go.sum(dims)
+            if need_b:
+                gb = sum_dy
+            if x_q is not None:
+                xmu = restore(x_q).float().contiguous(memory_format=ctx.x_format) - \
+                    mean.view(shape)
+                sum_dy_xmu = (go * xmu).sum(dims)
+                if need_w:
+                    gw = sum_dy_xmu * invstd
+                if need_x:
+                    both = torch.cat([sum_dy, sum_dy_xmu])
+                    dist.all_reduce(both, group=ctx.group)
+                    mean_dy, mean_dy_xmu = (both / ctx.count).chunk(2)
+                    scale = invstd if weight is None else invstd * weight.float()
+                    gi = (go - mean_dy.view(shape)
+                          - xmu * (invstd * invstd * mean_dy_xmu).view(shape)) * scale.view(shape)
+        return (cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype)) + (None,) * 8
+
+
+# -- LayerNorm ----------------------------------------------------------------------------------
+class LayerNormFunction(torch.autograd.Function):
+    """Layer norm; saves compress(x), per-row mean and rstd, weight and bias (Parameters)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor],
+                bias: Optional[Tensor], eps: float, qconfig: LayerQConfig, bits: Bits) -> Tensor:
+        shape = list(normalized_shape)
+        dt = autocast_dtype(x, lambda t: F.layer_norm(t.new_empty([0] + shape), shape))
+        xc, w, b = _autocast_inputs(x, weight, bias, dt)
+        out, mean, rstd = torch.ops.aten.native_layer_norm(xc, shape, w, b, eps)
+        ctx.normalized_shape = shape
+        ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
+        ctx.compute_dtype = dt
+        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 2) else None
+        save(ctx, x_q, mean, rstd, weight, bias)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x_q, mean, rstd, weight, bias = load(ctx)
+        need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
+                                  ctx.needs_input_grad[3])
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dt = ctx.compute_dtype
+        to_dt = dt if dt != x_dtype else None
+        gi = gw = gb = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            go = grad_out.to(dt)
+            if x_q is not None:
+                x = restore(x_q).to(dt)
+                gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                    go, x, ctx.normalized_shape, mean, rstd, cast(weight, to_dt),
+                    cast(bias, to_dt), [need_x, need_w, need_b])
+            elif need_b:
+                lead = go.dim() - len(ctx.normalized_shape)
+                gb = go.sum(list(range(lead))) if lead else go
+        return (cast(gi, x_dtype) if need_x else None, None,
+                cast(gw, w_dtype) if need_w else None, cast(gb, b_dtype) if need_b else None,
+                None, None, None)
+
+
+# -- GroupNorm ----------------------------------------------------------------------------------
+class GroupNormFunction(torch.autograd.Function):
+    """Group norm; saves compress(x), per-(sample, group) mean and rstd, and the weight."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, num_groups: int, weight: Optional[Tensor],
+                bias: Optional[Tensor], eps: float, qconfig: LayerQConfig, bits: Bits) -> Tensor:
+        dt = autocast_dtype(x, lambda t: F.group_norm(t.new_empty((0, num_groups)), num_groups))
+        xc, w, b = _autocast_inputs(x, weight, bias, dt)
+        fmt = memory_format_of(xc)
+        xc = xc.contiguous(memory_format=fmt)  # what aten::group_norm does before the kernel
+        n, c = x.shape[0], x.shape[1]
+        hxw = x.numel() // (n * c) if n * c else 1
+        out, mean, rstd = torch.ops.aten.native_group_norm(xc, w, b, n, c, hxw, num_groups, eps)
+        ctx.sizes = (n, c, hxw, num_groups)
+        ctx.x_format = fmt
+        ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
+        ctx.compute_dtype = dt
+        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 2) else None
+        save(ctx, x_q, mean, rstd, weight)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x_q, mean, rstd, weight = load(ctx)
+        need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
+                                  ctx.needs_input_grad[3])
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dt = ctx.compute_dtype
+        n, c, hxw, g = ctx.sizes
+        gi = gw = gb = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            # Like autograd's own rule: gradient and input in the input's memory format.
+            go = grad_out.to(dt).contiguous(memory_format=ctx.x_format)
+            if x_q is not None:
+                x = restore(x_q).to(dt).contiguous(memory_format=ctx.x_format)
+                gi, gw, gb = torch.ops.aten.native_group_norm_backward(
+                    go, x, mean, rstd, cast(weight, dt if dt != x_dtype else None), n, c, hxw,
+                    g, [need_x, need_w, need_b])
+            elif need_b:
+                gb = go.sum(_channel_dims(go))
+        return (cast(gi, x_dtype) if need_x else None, None,
+                cast(gw, w_dtype) if need_w else None, cast(gb, b_dtype) if need_b else None,
+                None, None, None)

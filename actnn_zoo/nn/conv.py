@@ -1,0 +1,150 @@
+"""QConv1d/2d/3d and QConvTranspose1d/2d/3d: convolutions that save their input compressed.
+
+Saves: compress(x) (2 bits per value by default, only when the weight needs a gradient) + the
+weight Parameter (free). Forward computes the real torch op on the uncompressed input, so the
+output is torch's. Backward: dequantize x, then the public ``aten::convolution_backward``
+(grad_x exact, grad_W unbiased, grad_b = sum of grad_y). padding_mode != 'zeros' applies the
+same F.pad as torch inside the Function: the unpadded input is compressed and re-padded in
+backward (a pad outside would save the full input). Unbatched inputs get a batch dim of one.
+Eval / no_grad / qconfig.enabled=False: plain torch forward.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+from torch import Tensor, nn
+
+from ..config import LayerQConfig
+from ..functional.conv import ConvFunction, ConvSpec
+from ._base import QModule
+from .linear import use_function
+
+_size = Union[int, Tuple[int, ...]]
+
+
+def _run(module: QModule, x: Tensor, spec: ConvSpec) -> Tensor:
+    """Call the Function on a batched input (quantization rows are samples)."""
+    unbatched = x.dim() == spec.dims + 1
+    if unbatched:
+        x = x.unsqueeze(0)
+    out = ConvFunction.apply(x, module.weight, module.bias, spec, module.qconfig,
+                             module.bits_for(x))
+    return out.squeeze(0) if unbatched else out
+
+
+class _QConvNd(QModule):
+    """forward for QConv1d/2d/3d (mirrors nn.ConvNd._conv_forward)."""
+
+    _DIMS: int
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not use_function(self, input, self.weight, self.bias):
+            return super().forward(input)
+        if self.padding_mode != "zeros":  # torch: F.pad(x, ..., mode) then padding 0
+            spec = ConvSpec(self._DIMS, tuple(self.stride), (0,) * self._DIMS,
+                            tuple(self.dilation), self.groups, pad_mode=self.padding_mode,
+                            pad_nd=tuple(self._reversed_padding_repeated_twice))
+        else:
+            padding = self.padding if isinstance(self.padding, str) else tuple(self.padding)
+            spec = ConvSpec(self._DIMS, tuple(self.stride), padding, tuple(self.dilation),
+                            self.groups)
+        return _run(self, input, spec)
+
+
+class _QConvTransposeNd(QModule):
+    """forward for QConvTranspose1d/2d/3d (mirrors nn.ConvTransposeNd.forward)."""
+
+    _DIMS: int
+
+    def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
+        if not use_function(self, input, self.weight, self.bias):
+            return super().forward(input, output_size)
+        if self.padding_mode != "zeros":
+            raise ValueError(f"Only `zeros` padding mode is supported for "
+                             f"{self._FLOAT_MODULE.__name__}")
+        output_padding = self._output_padding(input, output_size, self.stride, self.padding,
+                                              self.kernel_size, self._DIMS, self.dilation)
+        spec = ConvSpec(self._DIMS, tuple(self.stride), tuple(self.padding),
+                        tuple(self.dilation), self.groups, True, tuple(output_padding))
+        return _run(self, input, spec)
+
+
+class QConv1d(_QConvNd, nn.Conv1d):
+    _FLOAT_MODULE = nn.Conv1d
+    _DIMS = 1
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: _size,
+                 stride: _size = 1, padding: Union[str, _size] = 0, dilation: _size = 1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None,
+                 dtype=None, *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, padding_mode, device, dtype)
+        self._init_q(qconfig)
+
+
+class QConv2d(_QConvNd, nn.Conv2d):
+    _FLOAT_MODULE = nn.Conv2d
+    _DIMS = 2
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: _size,
+                 stride: _size = 1, padding: Union[str, _size] = 0, dilation: _size = 1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None,
+                 dtype=None, *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, padding_mode, device, dtype)
+        self._init_q(qconfig)
+
+
+class QConv3d(_QConvNd, nn.Conv3d):
+    _FLOAT_MODULE = nn.Conv3d
+    _DIMS = 3
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: _size,
+                 stride: _size = 1, padding: Union[str, _size] = 0, dilation: _size = 1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None,
+                 dtype=None, *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, padding_mode, device, dtype)
+        self._init_q(qconfig)
+
+
+class QConvTranspose1d(_QConvTransposeNd, nn.ConvTranspose1d):
+    _FLOAT_MODULE = nn.ConvTranspose1d
+    _DIMS = 1
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: _size,
+                 stride: _size = 1, padding: _size = 0, output_padding: _size = 0,
+                 groups: int = 1, bias: bool = True, dilation: _size = 1,
+                 padding_mode: str = "zeros", device=None, dtype=None, *,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding,
+                         output_padding, groups, bias, dilation, padding_mode, device, dtype)
+        self._init_q(qconfig)
+
+
+class QConvTranspose2d(_QConvTransposeNd, nn.ConvTranspose2d):
+    _FLOAT_MODULE = nn.ConvTranspose2d
+    _DIMS = 2
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: _size,
+                 stride: _size = 1, padding: _size = 0, output_padding: _size = 0,
+                 groups: int = 1, bias: bool = True, dilation: _size = 1,
+                 padding_mode: str = "zeros", device=None, dtype=None, *,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding,
+                         output_padding, groups, bias, dilation, padding_mode, device, dtype)
+        self._init_q(qconfig)
+
+
+class QConvTranspose3d(_QConvTransposeNd, nn.ConvTranspose3d):
+    _FLOAT_MODULE = nn.ConvTranspose3d
+    _DIMS = 3
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: _size,
+                 stride: _size = 1, padding: _size = 0, output_padding: _size = 0,
+                 groups: int = 1, bias: bool = True, dilation: _size = 1,
+                 padding_mode: str = "zeros", device=None, dtype=None, *,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding,
+                         output_padding, groups, bias, dilation, padding_mode, device, dtype)
+        self._init_q(qconfig)

@@ -1,0 +1,42 @@
+"""QLinear: nn.Linear that saves its input compressed for backward.
+
+Saves: compress(x) (only when the weight needs a gradient) + the weight Parameter (free).
+Backward: grad_x = grad_y @ W (exact), grad_W = grad_y^T @ dequant(x) (unbiased),
+grad_b = sum(grad_y). Eval / no_grad / qconfig.enabled=False: plain nn.Linear.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+from ..config import LayerQConfig
+from ..functional.linear import LinearFunction, check_compressible
+from ._base import QModule
+
+
+def use_function(module: QModule, x: Tensor, *params: Optional[Tensor]) -> bool:
+    """True when this forward should save compressed tensors: training, enabled, grad mode on,
+    and something (input or a parameter) needs a gradient. Raises NotImplementedError for an
+    input the quantizer cannot hold rather than silently keeping it in full precision."""
+    if not module.quantizing():
+        return False
+    if not (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
+        return False
+    check_compressible(x, type(module).__name__)
+    return True
+
+
+class QLinear(QModule, nn.Linear):
+    _FLOAT_MODULE = nn.Linear
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not use_function(self, input, self.weight, self.bias):
+            return super().forward(input)
+        return LinearFunction.apply(input, self.weight, self.bias, self.qconfig,
+                                    self.bits_for(input))

@@ -1,0 +1,163 @@
+"""QBatchNorm1d/2d/3d, QSyncBatchNorm, QLayerNorm, QGroupNorm: normalizations that save their
+input compressed.
+
+Saves: compress(x) + the exact statistics (BatchNorm: per-channel mean and invstd; LayerNorm /
+GroupNorm: per-row mean and rstd) + the weight Parameter. Forward computes the real op on the
+uncompressed input (``aten::native_*_norm``, the kernel torch's functional op ends in), and
+updates running statistics exactly as torch does (momentum, momentum=None cumulative average,
+num_batches_tracked). Backward: dequantize x, then ``aten::native_*_norm_backward``
+(QSyncBatchNorm: two all-reduced sums, like nn.SyncBatchNorm). Eval / no_grad /
+qconfig.enabled=False: plain torch forward.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..config import LayerQConfig
+from ..functional.norm import (BatchNormFunction, GroupNormFunction, LayerNormFunction,
+                               SyncBatchNormFunction)
+from ._base import QModule
+from .linear import use_function
+
+
+def _verify_batch_size(size: Sequence[int]) -> None:
+    """The check F.batch_norm / F.group_norm make in training (same message)."""
+    size_prods = size[0]
+    for s in size[2:]:
+        size_prods *= s
+    if size_prods == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input "
+                         f"size {torch.Size(size)}")
+
+
+class _QBatchNorm(QModule):
+    """forward for QBatchNorm1d/2d/3d and QSyncBatchNorm (mirrors nn.modules.batchnorm)."""
+
+    def _momentum_factor(self) -> float:
+        """The exponential average factor of this training step (bumps num_batches_tracked)."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
+    def _running(self):
+        if self.track_running_stats:
+            return self.running_mean, self.running_var
+        return None, None
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not use_function(self, input, self.weight, self.bias):
+            return super().forward(input)
+        self._check_input_dim(input)
+        factor = self._momentum_factor()
+        running_mean, running_var = self._running()
+        _verify_batch_size(input.size())
+        return BatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var,
+                                       factor, self.eps, self.qconfig, self.bits_for(input))
+
+
+class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
+    _FLOAT_MODULE = nn.BatchNorm1d
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, device=None, dtype=None,
+                 *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._init_q(qconfig)
+
+
+class QBatchNorm2d(_QBatchNorm, nn.BatchNorm2d):
+    _FLOAT_MODULE = nn.BatchNorm2d
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, device=None, dtype=None,
+                 *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._init_q(qconfig)
+
+
+class QBatchNorm3d(_QBatchNorm, nn.BatchNorm3d):
+    _FLOAT_MODULE = nn.BatchNorm3d
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, device=None, dtype=None,
+                 *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._init_q(qconfig)
+
+
+class QSyncBatchNorm(_QBatchNorm, nn.SyncBatchNorm):
+    """Statistics over the process group when torch.distributed is initialised with more than
+    one rank (CPU/gloo included, unlike nn.SyncBatchNorm); otherwise exactly QBatchNorm."""
+
+    _FLOAT_MODULE = nn.SyncBatchNorm
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 device=None, dtype=None, *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         process_group, device, dtype)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not use_function(self, input, self.weight, self.bias):
+            return super(_QBatchNorm, self).forward(input)
+        self._check_input_dim(input)
+        self._check_non_zero_input_channels(input)
+        factor = self._momentum_factor()
+        running_mean, running_var = self._running()
+        group, world = None, 1
+        if dist.is_available() and dist.is_initialized():
+            group = self.process_group if self.process_group else dist.group.WORLD
+            world = dist.get_world_size(group)
+        if world == 1:
+            _verify_batch_size(input.size())
+            return BatchNormFunction.apply(input, self.weight, self.bias, running_mean,
+                                           running_var, factor, self.eps, self.qconfig,
+                                           self.bits_for(input))
+        return SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean,
+                                           running_var, factor, self.eps, group, world,
+                                           self.qconfig, self.bits_for(input))
+
+
+class QLayerNorm(QModule, nn.LayerNorm):
+    _FLOAT_MODULE = nn.LayerNorm
+
+    def __init__(self, normalized_shape: Union[int, List[int], torch.Size], eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None,
+                 *, qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not use_function(self, input, self.weight, self.bias):
+            return super().forward(input)
+        return LayerNormFunction.apply(input, tuple(self.normalized_shape), self.weight,
+                                       self.bias, self.eps, self.qconfig, self.bits_for(input))
+
+
+class QGroupNorm(QModule, nn.GroupNorm):
+    _FLOAT_MODULE = nn.GroupNorm
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True, device=None, dtype=None, *,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not use_function(self, input, self.weight, self.bias):
+            return super().forward(input)
+        if input.dim() < 2:
+            raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received "
+                               f"{input.dim()}")
+        _verify_batch_size([input.size(0) * input.size(1) // self.num_groups, self.num_groups]
+                           + list(input.size()[2:]))
+        return GroupNormFunction.apply(input, self.num_groups, self.weight, self.bias, self.eps,
+                                       self.qconfig, self.bits_for(input))
