@@ -2,4 +2,27 @@
 from ._base import QModule
 
 __all__ = ["QModule"]
-# Each layer file adds its import and names below, and Q_MODULES collects every Q class.
+# One import block per layer file; the converter finds every QModule subclass listed here.
+from .activation import (QELU, QGELU, QHardtanh, QLeakyReLU, QReLU, QReLU6, QSigmoid, QSiLU,
+                         QSoftplus, QTanh)
+from .dropout import QDropout, QDropout1d, QDropout2d, QDropout3d
+from .pool import (QAdaptiveAvgPool1d, QAdaptiveAvgPool2d, QAdaptiveAvgPool3d, QAdaptiveMaxPool1d,
+                   QAdaptiveMaxPool2d, QAdaptiveMaxPool3d, QAvgPool1d, QAvgPool2d, QAvgPool3d,
+                   QMaxPool1d, QMaxPool2d, QMaxPool3d)
+from .softmax import QSoftmax
+from .upsample import QUpsample
+
+__all__ += ["QReLU", "QReLU6", "QLeakyReLU", "QHardtanh", "QGELU", "QSiLU", "QSigmoid", "QTanh",
+            "QELU", "QSoftplus", "QDropout", "QDropout1d", "QDropout2d", "QDropout3d",
+            "QMaxPool1d", "QMaxPool2d", "QMaxPool3d", "QAvgPool1d", "QAvgPool2d", "QAvgPool3d",
+            "QAdaptiveAvgPool1d", "QAdaptiveAvgPool2d", "QAdaptiveAvgPool3d",
+            "QAdaptiveMaxPool1d", "QAdaptiveMaxPool2d", "QAdaptiveMaxPool3d", "QUpsample",
+            "QSoftmax"]
+from .conv import (QConv1d, QConv2d, QConv3d, QConvTranspose1d, QConvTranspose2d,
+                   QConvTranspose3d)
+from .linear import QLinear
+from .norm import QBatchNorm1d, QBatchNorm2d, QBatchNorm3d, QGroupNorm, QLayerNorm, QSyncBatchNorm
+
+__all__ += ["QConv1d", "QConv2d", "QConv3d", "QConvTranspose1d", "QConvTranspose2d",
+            "QConvTranspose3d", "QLinear", "QBatchNorm1d", "QBatchNorm2d", "QBatchNorm3d",
+            "QSyncBatchNorm", "QLayerNorm", "QGroupNorm"]

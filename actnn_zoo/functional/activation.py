@@ -1,0 +1,317 @@
+"""Autograd Functions for elementwise activations.
+
+Piecewise-linear activations (ReLU, ReLU6, Hardtanh, LeakyReLU) only need to know which slope
+applied at each position, so they save a 1-bit packed mask and their gradients are exact.
+Smooth activations (GELU, SiLU, Sigmoid, Tanh, ELU, Softplus) save their derivative f'(x),
+compressed: ``grad_in = grad_out * f'(x)`` is linear in the saved quantity, so stochastic
+rounding of f'(x) keeps the gradient unbiased (saving x instead would not: f' of an unbiased
+estimate of x is biased).
+
+Everything is saved through :func:`~actnn_zoo.functional._saving.save`, i.e.
+``ctx.save_for_backward``. The forward outputs are computed by the very torch functional ops
+the torch layers call, so they are bit-identical to them (also under autocast).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..config import LayerQConfig
+from ..quant import pack_mask, unpack_mask
+from ._saving import compress, load, restore, save
+
+Bits = Union[int, Tensor, None]
+
+__all__ = ["relu", "leaky_relu", "hardtanh", "relu6", "gelu", "silu", "sigmoid", "tanh", "elu",
+           "softplus", "MaskActivationFunction", "DerivativeActivationFunction",
+           "activation_derivative", "memory_perm", "to_memory_order", "from_memory_order",
+           "save_mask", "load_mask"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers (shared with dropout): pack masks / compress in memory order, so a
+# channels_last tensor is neither copied nor permuted before packing.
+# ----------------------------------------------------------------------------------------------
+def memory_perm(t: Tensor) -> Optional[Tuple[int, ...]]:
+    """A permutation ``p`` with ``t.permute(p)`` contiguous and ``p[0] == 0`` (so rows are still
+    samples), for channels_last(_3d) tensors; None when logical order is already right."""
+    if t.is_contiguous():
+        return None
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return (0, 2, 3, 1)
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return (0, 2, 3, 4, 1)
+    return None
+
+
+def to_memory_order(t: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
+    return t if perm is None else t.permute(perm)
+
+
+def from_memory_order(t: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
+    if perm is None:
+        return t
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return t.permute(inverse)
+
+
+def save_mask(mask: Tensor, perm: Optional[Tuple[int, ...]]) -> Tuple[Tensor, torch.Size]:
+    """Pack a bool mask at 1 bit per value in memory order; returns (bytes, shape to unpack)."""
+    m = to_memory_order(mask, perm)
+    return pack_mask(m), m.shape
+
+
+def load_mask(packed: Tensor, shape: torch.Size, perm: Optional[Tuple[int, ...]]) -> Tensor:
+    return from_memory_order(unpack_mask(packed, shape), perm)
+
+
+def no_double_backward(what: str) -> None:
+    """Raise when backward runs with ``create_graph=True`` for a layer whose saved quantity
+    cannot give second derivatives (returning a graph without them would be silently wrong)."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"actnn_zoo: double backward (create_graph=True) through compressed {what} is not "
+            "supported: its second derivative is not saved. Use the torch layer (to_float()) "
+            "or disable quantization for it (qconfig.enabled=False).")
+
+
+def _autocast_state(device_type: str) -> Tuple[bool, torch.dtype]:
+    """Whether autocast is on for ``device_type`` and its dtype (public API, torch >= 2.4)."""
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+# ----------------------------------------------------------------------------------------------
+# Piecewise-linear activations: 1-bit mask
+# ----------------------------------------------------------------------------------------------
+def _bound(v: float, dtype: torch.dtype, up: bool) -> float:
+    """A threshold exactly representable in ``dtype`` such that comparing in ``dtype`` gives
+    the same answer as torch's kernels, which compare in float32 against float32(v): for
+    half types the largest (``up=False``) / smallest (``up=True``) value on the right side."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return v
+    v32 = torch.tensor(v, dtype=torch.float32)
+    r = v32.to(dtype)
+    if up and r.float() < v32:
+        r = torch.nextafter(r, torch.tensor(float("inf"), dtype=dtype))
+    elif not up and r.float() > v32:
+        r = torch.nextafter(r, torch.tensor(float("-inf"), dtype=dtype))
+    return float(r)
+
+
+_MASK_OPS = ("relu", "leaky_relu", "hardtanh")
+
+
+class MaskActivationFunction(torch.autograd.Function):
+    """``f`` with slope 1 where the mask is set and slope ``a`` (LeakyReLU) or 0 elsewhere.
+
+    The mask is computed from the input before any in-place update, with the exact predicate
+    of torch's backward kernel, so gradients equal torch's bit for bit (at NaN inputs too,
+    except Hardtanh, where torch itself is inconsistent and we pass no gradient).
+    With ``inplace`` the input is modified and marked dirty, as torch's in-place ops do.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, op: str, a: float, b: float, inplace: bool) -> Tensor:
+        if op == "relu":  # threshold_backward(grad, result, 0): result <= 0 -> 0
+            mask = ~(x <= 0)
+            other = 0.0
+        elif op == "leaky_relu":  # leaky_relu_backward: x > 0 ? grad : grad * slope
+            mask = x > 0
+            other = a
+        elif op == "hardtanh":  # hardtanh_backward: x <= min || x >= max -> 0
+            # At NaN torch's vectorised loop gives 0 and its scalar tail the gradient; we give 0.
+            lo, hi = _bound(a, x.dtype, up=False), _bound(b, x.dtype, up=True)
+            mask = (x > lo) & (x < hi)
+            other = 0.0
+        else:
+            raise ValueError(f"unknown mask activation {op!r}; expected one of {_MASK_OPS}")
+        perm = memory_perm(x)
+        packed, mshape = save_mask(mask, perm)
+        del mask
+        if op == "relu":
+            out = F.relu(x, inplace=inplace)
+        elif op == "leaky_relu":
+            out = F.leaky_relu(x, a, inplace=inplace)
+        else:
+            out = F.hardtanh(x, a, b, inplace=inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.other = other
+        ctx.mshape = mshape
+        ctx.perm = perm
+        save(ctx, packed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (packed,) = load(ctx)
+        mask = load_mask(packed, ctx.mshape, ctx.perm)
+        if ctx.other == 0.0:
+            grad_in = torch.where(mask, grad, 0.0)
+        else:
+            grad_in = torch.where(mask, grad, grad * ctx.other)
+        return grad_in, None, None, None, None
+
+
+def relu(x: Tensor, inplace: bool = False) -> Tensor:
+    """ReLU saving a 1-bit mask for backward."""
+    return MaskActivationFunction.apply(x, "relu", 0.0, 0.0, inplace)
+
+
+def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """LeakyReLU saving a 1-bit sign mask (any slope, also negative with ``inplace``)."""
+    return MaskActivationFunction.apply(x, "leaky_relu", float(negative_slope), 0.0, inplace)
+
+
+def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0,
+             inplace: bool = False) -> Tensor:
+    """Hardtanh saving a 1-bit inside-the-range mask."""
+    if min_val > max_val:
+        raise ValueError("min_val cannot be greater than max_val")
+    return MaskActivationFunction.apply(x, "hardtanh", float(min_val), float(max_val), inplace)
+
+
+def relu6(x: Tensor, inplace: bool = False) -> Tensor:
+    return hardtanh(x, 0.0, 6.0, inplace)
+
+
+# ----------------------------------------------------------------------------------------------
+# Smooth activations: compressed derivative
+# ----------------------------------------------------------------------------------------------
+_DERIV_OPS = ("gelu", "silu", "sigmoid", "tanh", "elu", "softplus")
+
+
+def _opmath(t: Tensor) -> Tensor:
+    """float32 for half/bf16/float32 (torch's opmath type), float64 stays float64."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def activation_derivative(op: str, x: Tensor, y: Optional[Tensor] = None,
+                          params: Tuple = ()) -> Tensor:
+    """f'(x) in opmath precision (float32; float64 for float64 input).
+
+    Computed by torch's own public backward kernel applied to a unit gradient (a stride-0
+    expanded 1, so no extra memory), hence exactly torch's derivative, in one fused pass.
+    ``y`` (the output) is used where torch's backward uses it (sigmoid, tanh).
+    """
+    aten = torch.ops.aten
+    t = _opmath(y if op in ("sigmoid", "tanh") else x)
+    one = torch.ones((), dtype=t.dtype, device=t.device).expand(t.shape)
+    if op == "sigmoid":
+        return aten.sigmoid_backward(one, t)
+    if op == "tanh":
+        return aten.tanh_backward(one, t)
+    if op == "gelu":
+        return aten.gelu_backward(one, t, approximate=params[0])
+    if op == "silu":
+        return aten.silu_backward(one, t)
+    if op == "elu":  # F.elu(x, alpha) is elu(x, alpha, scale=1, input_scale=1)
+        return aten.elu_backward(one, params[0], 1, 1, False, t)
+    if op == "softplus":
+        return aten.softplus_backward(one, t, params[0], params[1])
+    raise ValueError(f"unknown activation {op!r}; expected one of {_DERIV_OPS}")
+
+
+def _apply_op(op: str, x: Tensor, params: Tuple, inplace: bool) -> Tensor:
+    if op == "gelu":
+        return F.gelu(x, approximate=params[0])
+    if op == "silu":
+        return F.silu(x, inplace=inplace)
+    if op == "sigmoid":
+        return torch.sigmoid(x)
+    if op == "tanh":
+        return torch.tanh(x)
+    if op == "elu":
+        return F.elu(x, params[0], inplace=inplace)
+    if op == "softplus":
+        return F.softplus(x, params[0], params[1])
+    raise ValueError(f"unknown activation {op!r}; expected one of {_DERIV_OPS}")
+
+
+class DerivativeActivationFunction(torch.autograd.Function):
+    """``y = f(x)`` saving the compressed derivative ``f'(x)``.
+
+    The derivative is computed in forward by torch's own backward kernel in float32 (float64
+    inputs: computed in float64, compressed as float32, since quantization supports up to
+    float32 and its own error dwarfs the cast). Backward ``grad * f'(x)_hat`` is unbiased.
+    Second derivatives would need f''(x), which is not saved: backward with
+    ``create_graph=True`` raises.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, op: str, params: Tuple, qconfig: LayerQConfig, bits: Bits,
+                inplace: bool) -> Tensor:
+        if op in ("sigmoid", "tanh"):
+            out = _apply_op(op, x, params, inplace)
+            deriv = activation_derivative(op, x, out, params)
+        else:
+            deriv = activation_derivative(op, x, None, params)  # before any in-place update
+            out = _apply_op(op, x, params, inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        perm = memory_perm(deriv)
+        q = compress(to_memory_order(deriv.to(torch.float32), perm), qconfig, bits)
+        del deriv
+        ctx.perm = perm
+        ctx.in_dtype = x.dtype
+        ctx.op = op
+        save(ctx, q)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        no_double_backward(ctx.op)
+        (q,) = load(ctx)
+        deriv = from_memory_order(restore(q), ctx.perm)
+        if ctx.in_dtype == torch.float64:
+            deriv = deriv.double()
+        grad_in = (grad * deriv).to(ctx.in_dtype)
+        return grad_in, None, None, None, None, None
+
+
+def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConfig],
+                 bits: Bits, inplace: bool = False) -> Tensor:
+    qconfig = LayerQConfig() if qconfig is None else qconfig
+    return DerivativeActivationFunction.apply(x, op, params, qconfig, bits, inplace)
+
+
+def gelu(x: Tensor, approximate: str = "none", qconfig: Optional[LayerQConfig] = None,
+         bits: Bits = None) -> Tensor:
+    """GELU ('none' or 'tanh') saving compressed GELU'(x)."""
+    if approximate not in ("none", "tanh"):
+        return F.gelu(x, approximate=approximate)  # raises torch's own error
+    return _deriv_apply("gelu", x, (approximate,), qconfig, bits)
+
+
+def silu(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
+         bits: Bits = None) -> Tensor:
+    """SiLU saving compressed SiLU'(x) = s(x) (1 + x (1 - s(x)))."""
+    return _deriv_apply("silu", x, (), qconfig, bits, inplace)
+
+
+def sigmoid(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+    """Sigmoid saving compressed y (1 - y)."""
+    return _deriv_apply("sigmoid", x, (), qconfig, bits)
+
+
+def tanh(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+    """Tanh saving compressed 1 - y^2."""
+    return _deriv_apply("tanh", x, (), qconfig, bits)
+
+
+def elu(x: Tensor, alpha: float = 1.0, inplace: bool = False,
+        qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+    """ELU saving compressed ELU'(x) (computed before an in-place update, so any alpha works
+    in place, unlike torch's result-based in-place backward)."""
+    return _deriv_apply("elu", x, (float(alpha),), qconfig, bits, inplace)
+
+
+def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0,
+             qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+    """Softplus saving compressed Softplus'(x) (1 above the linear threshold, as torch)."""
+    return _deriv_apply("softplus", x, (float(beta), float(threshold)), qconfig, bits)

@@ -1,0 +1,143 @@
+"""Dropout saving its keep-mask at 1 bit per value (per channel for Dropout1d/2d/3d).
+
+torch's CPU dropout saves a float mask (32 bits per value) and CUDA's a byte mask. Here the
+noise is drawn exactly as torch's own CPU implementation draws it
+(``empty_like(x).bernoulli_(1 - p)``, or ``new_empty(N, C, 1, ...)`` for feature dropout),
+so with the same generator state the output is the same as torch's; only the packed mask
+is kept. Backward rebuilds the scaled noise ``mask / (1 - p)`` in the input dtype, exactly as
+torch computes it, so gradients are identical too.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from ._saving import load, save
+from .activation import load_mask, memory_perm, save_mask
+
+__all__ = ["DropoutFunction", "dropout", "dropout1d", "dropout2d", "dropout3d"]
+
+
+def _check_p(p: float) -> None:
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
+class DropoutFunction(torch.autograd.Function):
+    """Elementwise (``noise_shape`` None) or feature dropout with ``0 < p < 1``.
+
+    ``noise_shape`` broadcasts against the input: ``(N, C, 1, ...)`` for batched feature
+    dropout, ``(C, 1, ...)`` for unbatched input. That mask is all that is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float, noise_shape, inplace: bool) -> Tensor:
+        if noise_shape is None:
+            noise = torch.empty_like(x)
+        else:
+            noise = x.new_empty(noise_shape)
+        noise.bernoulli_(1 - p)
+        perm = memory_perm(noise)
+        packed, mshape = save_mask(noise != 0, perm)
+        noise.div_(1 - p)
+        if inplace:
+            out = x.mul_(noise)
+            ctx.mark_dirty(x)
+        else:
+            out = x * noise
+        ctx.p = p
+        ctx.mshape = mshape
+        ctx.perm = perm
+        ctx.noise_dtype = noise.dtype
+        save(ctx, packed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (packed,) = load(ctx)
+        noise = load_mask(packed, ctx.mshape, ctx.perm).to(ctx.noise_dtype).div_(1 - ctx.p)
+        return grad * noise, None, None, None
+
+
+def _trivial(x: Tensor, p: float) -> bool:
+    """Cases torch handles without random noise: p == 0 (identity), p == 1 (zeros), empty."""
+    return p == 0 or p == 1 or x.numel() == 0
+
+
+def dropout(x: Tensor, p: float = 0.5, inplace: bool = False) -> Tensor:
+    """Training-mode elementwise dropout saving a 1-bit keep-mask."""
+    _check_p(p)
+    if _trivial(x, p):
+        return torch.nn.functional.dropout(x, p, True, inplace)
+    return DropoutFunction.apply(x, p, None, inplace)
+
+
+def _feature(x: Tensor, p: float, inplace: bool, batched: bool, plain) -> Tensor:
+    if _trivial(x, p):
+        return plain(x, p, True, inplace)
+    if batched:
+        if x.dim() < 2:
+            raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
+        shape: Tuple[int, ...] = (x.shape[0], x.shape[1]) + (1,) * (x.dim() - 2)
+    else:
+        shape = (x.shape[0],) + (1,) * (x.dim() - 1)
+    return DropoutFunction.apply(x, p, shape, inplace)
+
+
+def dropout1d(x: Tensor, p: float = 0.5, inplace: bool = False) -> Tensor:
+    """Channel dropout for (N, C, L) or unbatched (C, L) input; saves the (N, C) mask."""
+    _check_p(p)
+    if x.dim() not in (2, 3):
+        raise RuntimeError(
+            f"dropout1d: Expected 2D or 3D input, but received a {x.dim()}D input. "
+            "Note that dropout1d exists to provide channel-wise dropout on inputs with 1 "
+            "spatial dimension, a channel dimension, and an optional batch dimension "
+            "(i.e. 2D or 3D inputs).")
+    return _feature(x, p, inplace, x.dim() == 3, torch.nn.functional.dropout1d)
+
+
+def dropout2d(x: Tensor, p: float = 0.5, inplace: bool = False) -> Tensor:
+    """Channel dropout as ``F.dropout2d`` (3-D input is read as (N, C, L), like torch)."""
+    _check_p(p)
+    if x.dim() not in (3, 4):
+        warnings.warn(
+            f"dropout2d: Received a {x.dim()}-D input to dropout2d, which is deprecated "
+            "and will result in an error in a future release. To retain the behavior "
+            "and silence this warning, please use dropout instead. Note that dropout2d "
+            "exists to provide channel-wise dropout on inputs with 2 spatial dimensions, "
+            "a channel dimension, and an optional batch dimension (i.e. 3D or 4D inputs).",
+            stacklevel=3)
+    if x.dim() == 3:
+        warnings.warn(
+            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise "
+            "1D dropout behavior is desired - input is interpreted as shape (N, C, L), where C "
+            "is the channel dim. This behavior will change in a future release to interpret the "
+            "input as one without a batch dimension, i.e. shape (C, H, W). To maintain the 1D "
+            "channel-wise dropout behavior, please switch to using dropout1d instead.",
+            stacklevel=3)
+    if _trivial(x, p):
+        with warnings.catch_warnings():  # already warned above
+            warnings.simplefilter("ignore")
+            return torch.nn.functional.dropout2d(x, p, True, inplace)
+    return _feature(x, p, inplace, True, None)
+
+
+def dropout3d(x: Tensor, p: float = 0.5, inplace: bool = False) -> Tensor:
+    """Channel dropout for (N, C, D, H, W) or unbatched (C, D, H, W) input."""
+    _check_p(p)
+    if x.dim() not in (4, 5):
+        warnings.warn(
+            f"dropout3d: Received a {x.dim()}-D input to dropout3d, which is deprecated "
+            "and will result in an error in a future release. To retain the behavior "
+            "and silence this warning, please use dropout instead. Note that dropout3d "
+            "exists to provide channel-wise dropout on inputs with 3 spatial dimensions, "
+            "a channel dimension, and an optional batch dimension (i.e. 4D or 5D inputs).",
+            stacklevel=3)
+    if _trivial(x, p):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.nn.functional.dropout3d(x, p, True, inplace)
+    return _feature(x, p, inplace, x.dim() == 5, None)

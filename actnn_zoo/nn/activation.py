@@ -1,0 +1,182 @@
+"""Q-activations: drop-in subclasses of the torch activations.
+
+In training with autograd recording they run a Function that saves a 1-bit mask (ReLU,
+ReLU6, LeakyReLU, Hardtanh) or the compressed derivative (GELU, SiLU, Sigmoid, Tanh, ELU,
+Softplus); otherwise (eval, ``no_grad``, ``qconfig.enabled=False``, or an input that does not
+require grad, where nothing is saved anyway) exactly the torch forward.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from ..config import LayerQConfig
+from ..functional import activation as A
+from ._base import QModule
+
+__all__ = ["QReLU", "QReLU6", "QLeakyReLU", "QHardtanh", "QGELU", "QSiLU", "QSigmoid", "QTanh",
+           "QELU", "QSoftplus"]
+
+
+class _QAct(QModule):
+    def _active(self, x: Tensor) -> bool:
+        """Compress only when something is saved: training forward that autograd records."""
+        return self.quantizing() and x.requires_grad
+
+
+class QReLU(_QAct, nn.ReLU):
+    """nn.ReLU saving a 1-bit mask (torch saves the full output)."""
+
+    _FLOAT_MODULE = nn.ReLU
+
+    def __init__(self, inplace: bool = False, qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.ReLU.__init__(self, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.relu(input, self.inplace)
+        return nn.ReLU.forward(self, input)
+
+
+class QHardtanh(_QAct, nn.Hardtanh):
+    """nn.Hardtanh saving a 1-bit inside-the-range mask."""
+
+    _FLOAT_MODULE = nn.Hardtanh
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False,
+                 min_value: Optional[float] = None, max_value: Optional[float] = None,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.Hardtanh.__init__(self, min_val, max_val, inplace, min_value, max_value)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.hardtanh(input, self.min_val, self.max_val, self.inplace)
+        return nn.Hardtanh.forward(self, input)
+
+
+class QReLU6(_QAct, nn.ReLU6):
+    """nn.ReLU6 (= Hardtanh(0, 6)) saving a 1-bit mask."""
+
+    _FLOAT_MODULE = nn.ReLU6
+
+    def __init__(self, inplace: bool = False, qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.ReLU6.__init__(self, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.hardtanh(input, self.min_val, self.max_val, self.inplace)
+        return nn.ReLU6.forward(self, input)
+
+
+class QLeakyReLU(_QAct, nn.LeakyReLU):
+    """nn.LeakyReLU saving a 1-bit sign mask (in place also with a negative slope, which
+    torch's result-based in-place backward rejects)."""
+
+    _FLOAT_MODULE = nn.LeakyReLU
+
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.LeakyReLU.__init__(self, negative_slope, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.leaky_relu(input, self.negative_slope, self.inplace)
+        return nn.LeakyReLU.forward(self, input)
+
+
+class QGELU(_QAct, nn.GELU):
+    """nn.GELU ('none' or 'tanh') saving the compressed derivative."""
+
+    _FLOAT_MODULE = nn.GELU
+
+    def __init__(self, approximate: str = "none", qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.GELU.__init__(self, approximate)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.gelu(input, self.approximate, self.qconfig, self.bits_for(input))
+        return nn.GELU.forward(self, input)
+
+
+class QSiLU(_QAct, nn.SiLU):
+    """nn.SiLU saving the compressed derivative (also in place)."""
+
+    _FLOAT_MODULE = nn.SiLU
+
+    def __init__(self, inplace: bool = False, qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.SiLU.__init__(self, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.silu(input, self.inplace, self.qconfig, self.bits_for(input))
+        return nn.SiLU.forward(self, input)
+
+
+class QSigmoid(_QAct, nn.Sigmoid):
+    """nn.Sigmoid saving compressed y (1 - y)."""
+
+    _FLOAT_MODULE = nn.Sigmoid
+
+    def __init__(self, *args: Any, qconfig: Optional[LayerQConfig] = None, **kwargs: Any) -> None:
+        nn.Sigmoid.__init__(self, *args, **kwargs)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.sigmoid(input, self.qconfig, self.bits_for(input))
+        return nn.Sigmoid.forward(self, input)
+
+
+class QTanh(_QAct, nn.Tanh):
+    """nn.Tanh saving compressed 1 - y^2."""
+
+    _FLOAT_MODULE = nn.Tanh
+
+    def __init__(self, *args: Any, qconfig: Optional[LayerQConfig] = None, **kwargs: Any) -> None:
+        nn.Tanh.__init__(self, *args, **kwargs)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.tanh(input, self.qconfig, self.bits_for(input))
+        return nn.Tanh.forward(self, input)
+
+
+class QELU(_QAct, nn.ELU):
+    """nn.ELU saving the compressed derivative (also in place, any alpha)."""
+
+    _FLOAT_MODULE = nn.ELU
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.ELU.__init__(self, alpha, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.elu(input, self.alpha, self.inplace, self.qconfig, self.bits_for(input))
+        return nn.ELU.forward(self, input)
+
+
+class QSoftplus(_QAct, nn.Softplus):
+    """nn.Softplus saving the compressed derivative."""
+
+    _FLOAT_MODULE = nn.Softplus
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0,
+                 qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.Softplus.__init__(self, beta, threshold)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.softplus(input, self.beta, self.threshold, self.qconfig,
+                              self.bits_for(input))
+        return nn.Softplus.forward(self, input)
