@@ -1,0 +1,106 @@
+// Python bindings of actnn_zoo._C: each function checks that its tensors share one device and
+// sends the call to the CPU or CUDA kernel (kernels.h); the kernels check everything else.
+#include "kernels.h"
+
+#include <c10/core/DeviceGuard.h>
+
+namespace py = pybind11;
+
+namespace {
+
+void check_same_device(const at::Tensor& ref, const char* ref_name,
+                       std::initializer_list<std::pair<const at::Tensor*, const char*>> others) {
+  for (const auto& item : others) {
+    TORCH_CHECK(item.first->device() == ref.device(), item.second, " is on ",
+                item.first->device(), " but ", ref_name, " is on ", ref.device(),
+                "; all tensors of one call must be on the same device");
+  }
+}
+
+[[noreturn]] void no_kernel(const char* fn, const at::Tensor& t) {
+  if (t.is_cuda()) {
+    TORCH_CHECK(false, "actnn_zoo._C.", fn, ": this build has no CUDA kernels (compiled without "
+                "ACTNN_ZOO_CUDA); rebuild with a CUDA toolkit or use the reference backend");
+  }
+  TORCH_CHECK(false, "actnn_zoo._C.", fn, ": no kernel for tensors on ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
+    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic) {
+  check_same_device(x2d, "x2d", {{&bits, "bits"}, {&offsets, "offsets"}});
+  if (x2d.device().is_cpu()) {
+    return actnn_zoo::quantize_cpu(x2d, bits, offsets, total, group_size, seed, stochastic);
+  }
+#ifdef ACTNN_ZOO_CUDA
+  if (x2d.is_cuda()) {
+    const c10::DeviceGuard guard(x2d.device());
+    return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic);
+  }
+#endif
+  no_kernel("quantize", x2d);
+}
+
+at::Tensor dequantize(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                      const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+                      at::Tensor out) {
+  check_same_device(out, "out", {{&data, "data"}, {&lo, "lo"}, {&step, "step"},
+                                 {&bits, "bits"}, {&offsets, "offsets"}});
+  if (out.device().is_cpu()) {
+    return actnn_zoo::dequantize_cpu(data, lo, step, bits, offsets, group_size, out);
+  }
+#ifdef ACTNN_ZOO_CUDA
+  if (out.is_cuda()) {
+    const c10::DeviceGuard guard(out.device());
+    return actnn_zoo::dequantize_cuda(data, lo, step, bits, offsets, group_size, out);
+  }
+#endif
+  no_kernel("dequantize", out);
+}
+
+at::Tensor pack_mask(const at::Tensor& mask) {
+  if (mask.device().is_cpu()) return actnn_zoo::pack_mask_cpu(mask);
+#ifdef ACTNN_ZOO_CUDA
+  if (mask.is_cuda()) {
+    const c10::DeviceGuard guard(mask.device());
+    return actnn_zoo::pack_mask_cuda(mask);
+  }
+#endif
+  no_kernel("pack_mask", mask);
+}
+
+at::Tensor unpack_mask(const at::Tensor& packed, int64_t numel) {
+  if (packed.device().is_cpu()) return actnn_zoo::unpack_mask_cpu(packed, numel);
+#ifdef ACTNN_ZOO_CUDA
+  if (packed.is_cuda()) {
+    const c10::DeviceGuard guard(packed.device());
+    return actnn_zoo::unpack_mask_cuda(packed, numel);
+  }
+#endif
+  no_kernel("unpack_mask", packed);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "actnn_zoo compiled kernels: per-group stochastic quantization and mask packing "
+            "(the compiled twins of actnn_zoo.quant.reference)";
+  // Kernels do not touch Python objects: let other Python threads run meanwhile.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("quantize", &quantize, nogil, py::arg("x2d"), py::arg("bits"), py::arg("offsets"),
+        py::arg("total"), py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
+        "(N, D) contiguous float32/float16/bfloat16 -> (packed uint8 data [total], lo bf16 "
+        "(N, G), step bf16 (N, G)); bits (N,) uint8, offsets (N + 1,) int64.");
+  m.def("dequantize", &dequantize, nogil, py::arg("data"), py::arg("lo"), py::arg("step"),
+        py::arg("bits"), py::arg("offsets"), py::arg("group_size"), py::arg("out"),
+        "Writes lo + q * step (float32 arithmetic) into out (N, D), contiguous, and returns it.");
+  m.def("pack_mask", &pack_mask, nogil, py::arg("mask"),
+        "Contiguous bool tensor -> ceil(n / 8) uint8, element i at bit i % 8 of byte i // 8.");
+  m.def("unpack_mask", &unpack_mask, nogil, py::arg("packed"), py::arg("numel"),
+        "Inverse of pack_mask: a 1-d bool tensor of numel values.");
+#ifdef ACTNN_ZOO_CUDA
+  m.attr("has_cuda") = py::bool_(true);
+#else
+  m.attr("has_cuda") = py::bool_(false);
+#endif
+}

@@ -1,0 +1,650 @@
+// CPU kernels of actnn_zoo._C: the compiled twins of actnn_zoo/quant/reference.py.
+//
+// Work is split over (row, group) pairs. Because group_size is a multiple of 8, every group
+// starts on a byte boundary at every width, so each pair owns its own bytes of the output and
+// the result does not depend on how pairs are spread over threads. The random number of an
+// element is a function of its index only.
+//
+// The hot loops run over blocks of at most a few hundred values with no data-dependent
+// branches and carry `#pragma omp simd` (we build with -fopenmp), so gcc vectorises them under
+// -O3 -march=native (check with -fopt-info-vec). -ffp-contract=off keeps every fp32 operation
+// separately rounded, as in the reference.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#if defined(__GNUC__)
+#define AZ_INLINE inline __attribute__((always_inline))
+#else
+#define AZ_INLINE inline
+#endif
+
+namespace actnn_zoo {
+namespace {
+
+constexpr int kBlock = 256;           // values per quantization block (codes kept in L1)
+constexpr int kChunk = 64;            // values per dequantization chunk
+constexpr uint16_t kBf16NaN = 0x7FC0;  // what torch.tensor(nan, dtype=bfloat16) holds
+constexpr uint32_t kHashC1 = 0x85EBCA6Bu;
+constexpr float kMinStep = 0x1p-126f;        // reference.MIN_STEP
+constexpr uint16_t kMinStepBf16 = 0x0080;     // the same value in bf16
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float bf16_value(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+// Directed rounding to bf16 by truncating the low 16 bits: truncation goes toward zero, which
+// is the wanted direction for one sign; for the other sign a dropped nonzero tail means one
+// more ulp of magnitude. Same result as the reference's round-to-nearest-then-correct,
+// including overflow to -inf (round down) and +inf (round up).
+inline uint16_t bf16_round_down(float v) {
+  const uint32_t u = float_bits(v);
+  const uint16_t hi = static_cast<uint16_t>(u >> 16);
+  return ((u & 0xFFFFu) != 0 && (u >> 31) != 0) ? static_cast<uint16_t>(hi + 1) : hi;
+}
+inline uint16_t bf16_round_up(float v) {
+  const uint32_t u = float_bits(v);
+  const uint16_t hi = static_cast<uint16_t>(u >> 16);
+  return ((u & 0xFFFFu) != 0 && (u >> 31) == 0) ? static_cast<uint16_t>(hi + 1) : hi;
+}
+// The reference's _bf16_step(b, toward_larger=True): one ulp up through the bit pattern.
+inline uint16_t bf16_next_up(uint16_t b) {
+  return (b & 0x8000u) ? static_cast<uint16_t>(b - 1) : static_cast<uint16_t>(b + 1);
+}
+
+// Round-to-nearest-even float -> bf16, as c10::BFloat16 does (NaN -> 0x7FC0), branch-free.
+inline uint16_t bf16_from_float(float v) {
+  const uint32_t u = float_bits(v);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (v != v) ? kBf16NaN : static_cast<uint16_t>(r);
+}
+
+inline int64_t row_bytes(int64_t d, int b) { return (d * b + 7) / 8; }
+
+// ---------------------------------------------------------------------------------------------
+// Loading blocks of input as float32 (float16/bfloat16 converted exactly)
+// ---------------------------------------------------------------------------------------------
+// Returns a pointer to n <= kBlock float values: the input itself for float32, else buf.
+AZ_INLINE const float* load_block(const float* src, int n, float* buf) {
+  (void)n;
+  (void)buf;
+  return src;
+}
+AZ_INLINE const float* load_block(const c10::BFloat16* src, int n, float* __restrict buf) {
+  const uint16_t* __restrict s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int e = 0; e < n; ++e) buf[e] = bf16_value(s[e]);
+  return buf;
+}
+AZ_INLINE const float* load_block(const c10::Half* src, int n, float* buf) {
+  int e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
+    _mm512_storeu_ps(buf + e, _mm512_cvtph_ps(h));
+  }
+#elif defined(__F16C__)
+  for (; e + 8 <= n; e += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e));
+    _mm256_storeu_ps(buf + e, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; e < n; ++e) buf[e] = static_cast<float>(src[e]);  // exact either way
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Storing float32 results in the output dtype (round to nearest even, like .to())
+// ---------------------------------------------------------------------------------------------
+AZ_INLINE void store_block(const float* v, int n, float* dst) {
+  std::memcpy(dst, v, n * sizeof(float));
+}
+AZ_INLINE void store_block(const float* __restrict v, int n, c10::BFloat16* dst) {
+  uint16_t* __restrict d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int e = 0; e < n; ++e) d[e] = bf16_from_float(v[e]);
+}
+AZ_INLINE void store_block(const float* v, int n, c10::Half* dst) {
+  int e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) {
+    const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(v + e), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e), h);
+  }
+#elif defined(__F16C__)
+  for (; e + 8 <= n; e += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(v + e), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), h);
+  }
+#endif
+  for (; e < n; ++e) dst[e] = c10::Half(v[e]);  // same rounding as the vector instruction
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing codes (one byte each, < 2^B) into bytes, LSB first: output byte j gathers the 8/B
+// consecutive code bytes of one machine word by shift-or folding, so the loop runs on plain
+// integer lanes.
+// ---------------------------------------------------------------------------------------------
+template <int B>
+struct PackWord;
+template <> struct PackWord<1> { using type = uint64_t; };
+template <> struct PackWord<2> { using type = uint32_t; };
+template <> struct PackWord<4> { using type = uint16_t; };
+template <> struct PackWord<8> { using type = uint8_t; };
+
+// nbytes output bytes from codes[0 .. nbytes * 8 / B).
+template <int B>
+AZ_INLINE void pack_block(const uint8_t* __restrict codes, int nbytes, uint8_t* __restrict out) {
+  using W = typename PackWord<B>::type;
+  constexpr int kPer = 8 / B;
+#pragma omp simd
+  for (int j = 0; j < nbytes; ++j) {
+    W v;
+    std::memcpy(&v, codes + j * kPer, sizeof(W));
+    if constexpr (B == 1) {
+      v |= v >> 7;
+      v |= v >> 14;
+      v |= v >> 28;
+    } else if constexpr (B == 2) {
+      v |= v >> 6;
+      v |= v >> 12;
+    } else if constexpr (B == 4) {
+      v |= v >> 4;
+    }
+    out[j] = static_cast<uint8_t>(v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantization
+// ---------------------------------------------------------------------------------------------
+struct GroupMeta {
+  uint16_t lo, step;  // bf16 bit patterns
+  bool bad;           // lo = step = NaN, codes 0
+};
+
+// reference.group_metadata for one group, from its fp32 min and max.
+inline GroupMeta group_meta(float mn, float mx, bool finite, float levels) {
+  if (!finite) return {kBf16NaN, kBf16NaN, true};
+  const uint16_t lo = bf16_round_down(mn);
+  const float lo_f = bf16_value(lo);
+  uint16_t step = bf16_round_up((mx - lo_f) / levels);
+  for (int k = 0; k < 2; ++k) {
+    const float span = levels * bf16_value(step);
+    const float top = lo_f + span;
+    if (top < mx) step = bf16_next_up(step);
+  }
+  // A positive denormal step is raised to 2^-126 (bf16 0x0080) so that 1 / step is finite.
+  const float step_f = bf16_value(step);
+  if (step_f > 0.0f && step_f < kMinStep) step = kMinStepBf16;
+  if (!std::isfinite(bf16_value(step))) return {kBf16NaN, kBf16NaN, true};
+  return {lo, step, false};
+}
+
+// floor(t) clamped to [0, L], NaN -> 0, computed as: clamp t to [0, L], then truncate. Equal
+// for every t (truncation is floor for t >= 0), and vectorisable: gcc does not vectorise floorf
+// under the default -ftrapping-math, and `t > 0 ? t : 0` / `q < L ? q : L` are exactly the
+// x86 max/min instructions (NaN -> the second operand, 0).
+AZ_INLINE uint8_t clamp_code(float t, float levels) {
+  float q = t > 0.0f ? t : 0.0f;
+  q = q < levels ? q : levels;
+  return static_cast<uint8_t>(static_cast<int32_t>(q));
+}
+
+// Codes of n <= kBlock values (reference.quantize_codes), element k having index i0 + k.
+template <bool kStochastic>
+AZ_INLINE void code_block(const float* __restrict x, int n, float lo, float inv, float levels,
+                          uint64_t i0, uint32_t key, uint8_t* __restrict codes) {
+  const uint32_t lo32 = static_cast<uint32_t>(i0);
+  if (kStochastic && lo32 > 0xFFFFFFFFu - static_cast<uint32_t>(n - 1)) {
+    // The low 32 bits of the index wrap inside this block (tensors over 2^32 elements only).
+    for (int e = 0; e < n; ++e) {
+      float t = (x[e] - lo) * inv;
+      t = t + uniform_from_index(i0 + e, key);
+      codes[e] = clamp_code(t, levels);
+    }
+    return;
+  }
+  // fmix32(lo32(i) ^ key ^ hi32(i) * C1): the high half is constant over the block.
+  const uint32_t hkey = key ^ (static_cast<uint32_t>(i0 >> 32) * kHashC1);
+#pragma omp simd
+  for (int e = 0; e < n; ++e) {
+    float t = (x[e] - lo) * inv;
+    float u;
+    if (kStochastic) {
+      const uint32_t h = fmix32((lo32 + static_cast<uint32_t>(e)) ^ hkey);
+      u = static_cast<float>(static_cast<int32_t>(h >> 8)) * (1.0f / 16777216.0f);
+    } else {
+      u = 0.5f;
+    }
+    t = t + u;
+    codes[e] = clamp_code(t, levels);
+  }
+}
+
+// Running min, max and a NaN detector over n floats: v * 0 is NaN exactly for Inf/NaN, and a
+// sum holding one NaN is NaN. The lane-wise `a < m ? a : m` never lets NaN into m.
+struct Range {
+  float mn = INFINITY, mx = -INFINITY, bad = 0.0f;
+};
+AZ_INLINE void range_update(const float* __restrict v, int64_t n, Range& r) {
+  float mn = r.mn, mx = r.mx, bad = r.bad;
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : bad)
+  for (int64_t k = 0; k < n; ++k) {
+    const float a = v[k];
+    mn = a < mn ? a : mn;
+    mx = a > mx ? a : mx;
+    bad = bad + a * 0.0f;
+  }
+  r.mn = mn;
+  r.mx = mx;
+  r.bad = bad;
+}
+AZ_INLINE void group_range(const float* x, int64_t len, Range& r) { range_update(x, len, r); }
+template <typename T>
+AZ_INLINE void group_range(const T* x, int64_t len, Range& r) {
+  alignas(64) float buf[kBlock];
+  for (int64_t e = 0; e < len; e += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
+    range_update(load_block(x + e, n, buf), n, r);
+  }
+}
+
+// One group of len values (len > 0) at element index i0; writes ceil(len * B / 8) bytes.
+template <typename T, int B, bool kStochastic>
+void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
+                    uint16_t* lo_out, uint16_t* step_out) {
+  // Pass 1: the range.
+  Range r;
+  group_range(x, len, r);
+  constexpr float kLevels = static_cast<float>((1 << B) - 1);
+  const GroupMeta meta = group_meta(r.mn, r.mx, r.bad == 0.0f, kLevels);
+  *lo_out = meta.lo;
+  *step_out = meta.step;
+  if (meta.bad) {
+    std::memset(out, 0, static_cast<size_t>(row_bytes(len, B)));
+    return;
+  }
+
+  // Pass 2 (the group is in cache now): codes from the stored bf16 values, block by block.
+  alignas(64) float buf[kBlock];
+  alignas(64) uint8_t codes[kBlock + 8];
+  const float lo = bf16_value(meta.lo);
+  const float step = bf16_value(meta.step);
+  const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+  for (int64_t e = 0; e < len; e += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
+    const float* v = load_block(x + e, n, buf);
+    code_block<kStochastic>(v, n, lo, inv, kLevels, i0 + static_cast<uint64_t>(e), key, codes);
+    // A row's last group may end inside a byte: its unused high bits are 0.
+    std::memset(codes + n, 0, 8);
+    pack_block<B>(codes, (n * B + 7) / 8, out + e * B / 8);
+  }
+}
+
+template <typename T, bool kStochastic>
+void quantize_group_any(int b, const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
+                        uint16_t* lo, uint16_t* step) {
+  switch (b) {
+    case 1: quantize_group<T, 1, kStochastic>(x, len, i0, key, out, lo, step); break;
+    case 2: quantize_group<T, 2, kStochastic>(x, len, i0, key, out, lo, step); break;
+    case 4: quantize_group<T, 4, kStochastic>(x, len, i0, key, out, lo, step); break;
+    default: quantize_group<T, 8, kStochastic>(x, len, i0, key, out, lo, step); break;
+  }
+}
+
+// Groups per parallel task: enough work (~32K values) to amortise the scheduling.
+inline int64_t group_grain(int64_t group_size) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / group_size);
+}
+
+template <typename T, bool kStochastic>
+void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, const uint8_t* bits,
+                   const int64_t* offsets, uint32_t key, uint8_t* data, uint16_t* lo,
+                   uint16_t* step) {
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  at::parallel_for(0, n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
+    for (int64_t id = begin; id < end; ++id) {
+      const int64_t n = id / g_per_row;
+      const int64_t g = id - n * g_per_row;
+      const int b = bits[n];
+      const int64_t start = g * group_size;
+      const int64_t len = std::min(group_size, d - start);
+      quantize_group_any<T, kStochastic>(
+          b, x + n * d + start, len, static_cast<uint64_t>(n * d + start), key,
+          data + offsets[n] + start * b / 8, lo + id, step + id);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization
+// ---------------------------------------------------------------------------------------------
+// 16 codes from the 2 * B bytes at `in` -> lo + q * step. Each lane shifts a broadcast word by
+// its own constant amount, so the loop is one vector of variable shifts.
+template <int B>
+AZ_INLINE void dequantize16(const uint8_t* __restrict in, float lo, float step,
+                            float* __restrict out) {
+  static_assert(B == 1 || B == 2 || B == 4, "8-bit codes are whole bytes");
+  if constexpr (B == 4) {
+    uint32_t w[2];
+    std::memcpy(w, in, 8);
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t v = w[half];
+#pragma omp simd
+      for (int k = 0; k < 8; ++k) {
+        const float s = static_cast<float>(static_cast<int32_t>((v >> (4 * k)) & 15u)) * step;
+        out[8 * half + k] = s + lo;
+      }
+    }
+  } else {
+    uint32_t v = 0;
+    std::memcpy(&v, in, 2 * B);
+#pragma omp simd
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t q = (v >> (B * k)) & ((1u << B) - 1u);
+      const float s = static_cast<float>(static_cast<int32_t>(q)) * step;
+      out[k] = s + lo;
+    }
+  }
+}
+
+// kChunk codes from kChunk * B / 8 bytes -> float32.
+template <int B>
+AZ_INLINE void dequantize_chunk(const uint8_t* __restrict in, float lo, float step,
+                                float* __restrict out) {
+  if constexpr (B == 8) {
+#pragma omp simd
+    for (int k = 0; k < kChunk; ++k) {
+      const float s = static_cast<float>(in[k]) * step;
+      out[k] = s + lo;
+    }
+  } else {
+    for (int c = 0; c < kChunk; c += 16) dequantize16<B>(in + c * B / 8, lo, step, out + c);
+  }
+}
+
+template <int B, typename TO>
+void dequantize_group(const uint8_t* in, int64_t len, float lo, float step, TO* out) {
+  alignas(64) float v[kChunk];
+  int64_t e = 0;
+  for (; e + kChunk <= len; e += kChunk) {
+    if constexpr (std::is_same<TO, float>::value) {
+      dequantize_chunk<B>(in + e * B / 8, lo, step, out + e);
+    } else {
+      dequantize_chunk<B>(in + e * B / 8, lo, step, v);
+      store_block(v, kChunk, out + e);
+    }
+  }
+  const int rest = static_cast<int>(len - e);
+  if (rest > 0) {
+    alignas(64) uint8_t packed[kChunk] = {0};
+    std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(rest, B)));
+    dequantize_chunk<B>(packed, lo, step, v);
+    store_block(v, rest, out + e);
+  }
+}
+
+template <typename TO>
+void dequantize_group_any(int b, const uint8_t* in, int64_t len, float lo, float step, TO* out) {
+  switch (b) {
+    case 1: dequantize_group<1, TO>(in, len, lo, step, out); break;
+    case 2: dequantize_group<2, TO>(in, len, lo, step, out); break;
+    case 4: dequantize_group<4, TO>(in, len, lo, step, out); break;
+    default: dequantize_group<8, TO>(in, len, lo, step, out); break;
+  }
+}
+
+template <typename TO>
+void dequantize_impl(const uint8_t* data, const uint16_t* lo, const uint16_t* step,
+                     const uint8_t* bits, const int64_t* offsets, int64_t n_rows, int64_t d,
+                     int64_t group_size, TO* out) {
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  at::parallel_for(0, n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
+    for (int64_t id = begin; id < end; ++id) {
+      const int64_t n = id / g_per_row;
+      const int64_t g = id - n * g_per_row;
+      const int b = bits[n];
+      const int64_t start = g * group_size;
+      const int64_t len = std::min(group_size, d - start);
+      dequantize_group_any<TO>(b, data + offsets[n] + start * b / 8, len, bf16_value(lo[id]),
+                               bf16_value(step[id]), out + n * d + start);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks shared by quantize and dequantize
+// ---------------------------------------------------------------------------------------------
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+}
+
+void check_group_size(int64_t group_size) {
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0,
+                    "group_size must be a positive multiple of 8, got ", group_size);
+}
+
+// bits (N,) uint8 in {1,2,4,8}; offsets (N+1,) int64; every row's bytes inside [0, limit).
+// With `ordered` (quantize, which writes), rows must also come in order without overlapping,
+// so that no two groups write the same byte. Returns true when the rows tile [0, limit)
+// exactly (no gaps).
+bool check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n_rows, int64_t d,
+                int64_t limit, const char* limit_name, bool ordered) {
+  check_cpu(bits, "bits");
+  check_cpu(offsets, "offsets");
+  TORCH_CHECK(bits.scalar_type() == at::kByte, "bits must be uint8, got ", bits.scalar_type());
+  TORCH_CHECK(bits.dim() == 1 && bits.size(0) == n_rows, "bits must have shape (", n_rows,
+              ",), got ", bits.sizes());
+  TORCH_CHECK(bits.is_contiguous(), "bits must be contiguous");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong, "offsets must be int64, got ",
+              offsets.scalar_type());
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == n_rows + 1, "offsets must have shape (",
+              n_rows + 1, ",), got ", offsets.sizes());
+  TORCH_CHECK(offsets.is_contiguous(), "offsets must be contiguous");
+  TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
+  const uint8_t* b = bits.data_ptr<uint8_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  bool tiled = off[0] == 0 && off[n_rows] == limit;
+  for (int64_t n = 0; n < n_rows; ++n) {
+    const int w = b[n];
+    TORCH_CHECK_VALUE(w == 1 || w == 2 || w == 4 || w == 8, "bits[", n,
+                      "] must be 1, 2, 4 or 8, got ", w);
+    const int64_t nb = row_bytes(d, w);
+    TORCH_CHECK_VALUE(off[n] >= 0 && off[n] <= limit - nb, "row ", n, " (", nb,
+                      " bytes at offset ", off[n], ") does not fit in ", limit_name, " (", limit,
+                      " bytes)");
+    TORCH_CHECK_VALUE(!ordered || off[n + 1] - off[n] >= nb, "offsets must increase by at "
+                      "least each row's size: row ", n, " has ", nb, " bytes at offset ", off[n],
+                      " but the next row starts at ", off[n + 1]);
+    tiled = tiled && off[n + 1] - off[n] == nb;
+  }
+  return tiled;
+}
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The kernel interface (kernels.h)
+// ---------------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
+    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic) {
+  check_cpu(x2d, "x2d");
+  TORCH_CHECK(is_float_type(x2d.scalar_type()),
+              "x2d must be float32, float16 or bfloat16, got ", x2d.scalar_type());
+  TORCH_CHECK(x2d.dim() == 2, "x2d must be 2-d (N, D), got shape ", x2d.sizes());
+  TORCH_CHECK(x2d.is_contiguous(), "x2d must be contiguous");
+  check_group_size(group_size);
+  TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
+  const int64_t n_rows = x2d.size(0), d = x2d.size(1);
+  const bool tiled = check_rows(bits, offsets, n_rows, d, total, "total", true);
+  TORCH_CHECK_VALUE(offsets.data_ptr<int64_t>()[n_rows] == total, "offsets[N] (",
+                    offsets.data_ptr<int64_t>()[n_rows], ") must equal total (", total, ")");
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+
+  // Gaps between rows are zeros in the reference; skip the memset when there are none.
+  at::Tensor data = tiled ? at::empty({total}, x2d.options().dtype(at::kByte))
+                          : at::zeros({total}, x2d.options().dtype(at::kByte));
+  at::Tensor lo = at::empty({n_rows, g_per_row}, x2d.options().dtype(at::kBFloat16));
+  at::Tensor step = at::empty({n_rows, g_per_row}, x2d.options().dtype(at::kBFloat16));
+  if (n_rows == 0 || d == 0) return {data, lo, step};
+
+  const uint32_t key = seed_key(static_cast<uint32_t>(seed));
+  const uint8_t* b = bits.data_ptr<uint8_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  uint8_t* out = data.data_ptr<uint8_t>();
+  uint16_t* lo_p = reinterpret_cast<uint16_t*>(lo.data_ptr<at::BFloat16>());
+  uint16_t* step_p = reinterpret_cast<uint16_t*>(step.data_ptr<at::BFloat16>());
+
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = x2d.data_ptr<T>();
+    if (stochastic) {
+      quantize_impl<T, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p);
+    } else {
+      quantize_impl<T, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p);
+    }
+  };
+  switch (x2d.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: run(c10::BFloat16{}); break;
+  }
+  return {data, lo, step};
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                          const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+                          at::Tensor& out) {
+  check_cpu(out, "out");
+  check_cpu(data, "data");
+  check_cpu(lo, "lo");
+  check_cpu(step, "step");
+  TORCH_CHECK(is_float_type(out.scalar_type()),
+              "out must be float32, float16 or bfloat16, got ", out.scalar_type());
+  TORCH_CHECK(out.dim() == 2, "out must be 2-d (N, D), got shape ", out.sizes());
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
+              "data must be a contiguous 1-d uint8 tensor, got ", data.scalar_type(), " of shape ",
+              data.sizes());
+  check_group_size(group_size);
+  const int64_t n_rows = out.size(0), d = out.size(1);
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  for (const at::Tensor* t : {&lo, &step}) {
+    const char* name = t == &lo ? "lo" : "step";
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, name, " must be bfloat16, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n_rows && t->size(1) == g_per_row, name,
+                " must have shape (", n_rows, ", ", g_per_row, "), got ", t->sizes());
+    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
+  }
+  check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
+  if (n_rows == 0 || d == 0) return out;
+
+  const uint8_t* in = data.data_ptr<uint8_t>();
+  const uint16_t* lo_p = reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>());
+  const uint16_t* step_p = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
+  const uint8_t* b = bits.data_ptr<uint8_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  switch (out.scalar_type()) {
+    case at::kFloat:
+      dequantize_impl(in, lo_p, step_p, b, off, n_rows, d, group_size, out.data_ptr<float>());
+      break;
+    case at::kHalf:
+      dequantize_impl(in, lo_p, step_p, b, off, n_rows, d, group_size, out.data_ptr<c10::Half>());
+      break;
+    default:
+      dequantize_impl(in, lo_p, step_p, b, off, n_rows, d, group_size,
+                      out.data_ptr<c10::BFloat16>());
+      break;
+  }
+  return out;
+}
+
+namespace {
+// Bytes of the mask per parallel task.
+constexpr int64_t kMaskGrain = 1 << 14;
+}  // namespace
+
+at::Tensor pack_mask_cpu(const at::Tensor& mask) {
+  check_cpu(mask, "mask");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "mask must be bool, got ", mask.scalar_type());
+  TORCH_CHECK(mask.is_contiguous(), "mask must be contiguous");
+  const int64_t n = mask.numel();
+  const int64_t nbytes = (n + 7) / 8;
+  at::Tensor out = at::empty({nbytes}, mask.options().dtype(at::kByte));
+  if (n == 0) return out;
+  const uint8_t* m = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t full = n / 8;
+  at::parallel_for(0, full, kMaskGrain, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t j = begin; j < end; ++j) {
+      uint64_t v;
+      std::memcpy(&v, m + 8 * j, 8);
+      v &= 0x0101010101010101ull;  // bool bytes are 0/1; keep it so whatever they hold
+      v |= v >> 7;
+      v |= v >> 14;
+      v |= v >> 28;
+      o[j] = static_cast<uint8_t>(v);
+    }
+  });
+  if (full < nbytes) {
+    uint8_t byte = 0;
+    for (int64_t i = 8 * full; i < n; ++i) byte |= static_cast<uint8_t>((m[i] != 0) << (i - 8 * full));
+    o[full] = byte;
+  }
+  return out;
+}
+
+at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel) {
+  check_cpu(packed, "packed");
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "packed must be uint8, got ",
+              packed.scalar_type());
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0, got ", numel);
+  TORCH_CHECK_VALUE(packed.numel() == (numel + 7) / 8, "packed mask of ", packed.numel(),
+                    " bytes does not hold ", numel, " values (needs ", (numel + 7) / 8, ")");
+  at::Tensor out = at::empty({numel}, packed.options().dtype(at::kBool));
+  if (numel == 0) return out;
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  uint8_t* o = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
+  const int64_t full = numel / 8;
+  at::parallel_for(0, full, kMaskGrain, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t j = begin; j < end; ++j) {
+      uint64_t v = p[j];
+      v |= v << 28;
+      v |= v << 14;
+      v |= v << 7;
+      v &= 0x0101010101010101ull;
+      std::memcpy(o + 8 * j, &v, 8);
+    }
+  });
+  for (int64_t i = 8 * full; i < numel; ++i) o[i] = (p[full] >> (i - 8 * full)) & 1;
+  return out;
+}
+
+}  // namespace actnn_zoo

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Quantize / dequantize throughput against x.clone() of the same tensor, in the same run.
+
+    python scripts/bench_kernels.py [--size-mib 64] [--repeats 15] [--threads N]
+
+Times the public API (actnn_zoo.quantize / dequantize, which allocate their outputs) and, when
+the compiled extension is loaded, the raw actnn_zoo._C calls: quantize with the layout
+precomputed (the difference is Python overhead), and dequantize into a preallocated output,
+compared with `out.copy_(x)` into a preallocated output (no page faults on either side).
+Measurements are interleaved round by round, so load from other processes hits all of them
+alike; each number is the median over the rounds after warm-up. GB/s is the float tensor's
+size over the time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import actnn_zoo as az
+from actnn_zoo.quant import reference as R
+from actnn_zoo.quant.backend import extension
+
+WIDTHS = (1, 2, 4, 8)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    res = fn()
+    return time.perf_counter() - t0, res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=float, default=64.0, help="float32 tensor size (MiB)")
+    ap.add_argument("--rows", type=int, default=256, help="dim 0 (samples); default 256")
+    ap.add_argument("--repeats", type=int, default=15, help="timed rounds (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--group-size", type=int, default=256)
+    ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic")
+    args = ap.parse_args()
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cols = max(1, int(args.size_mib * 2 ** 20 / 4 / args.rows))
+    x = torch.randn(args.rows, cols)
+    nbytes = x.numel() * x.element_size()
+    ext = extension()
+    print(f"actnn_zoo backend: {az.backend_name()}   torch {torch.__version__}   "
+          f"torch.get_num_threads() = {torch.get_num_threads()}")
+    print(f"tensor: float32 {tuple(x.shape)} = {nbytes / 2 ** 20:.1f} MiB, group_size "
+          f"{args.group_size}, {args.rounding} rounding, median of {args.repeats} rounds after "
+          f"{args.warmup} warm-up")
+
+    stochastic = args.rounding == "stochastic"
+    layouts = {}
+    for b in WIDTHS:
+        bits = torch.full((args.rows,), b, dtype=torch.uint8)
+        offsets = R.row_offsets(cols, bits)
+        layouts[b] = (bits, offsets, int(offsets[-1]))
+    prealloc = torch.empty_like(x)
+
+    times: dict = {}
+
+    def record(key, seconds):
+        times.setdefault(key, []).append(seconds)
+
+    for rnd in range(args.warmup + args.repeats):
+        keep = rnd >= args.warmup
+        t, y = timed(lambda: x.clone())
+        del y
+        if keep:
+            record("clone", t)
+            record("copy_", timed(lambda: prealloc.copy_(x))[0])
+        for b in WIDTHS:
+            t_q, q = timed(lambda: az.quantize(x, b, args.group_size, seed=rnd,
+                                               rounding=args.rounding))
+            t_dq, y = timed(lambda: az.dequantize(q))
+            del y
+            if keep:
+                record(("q", b), t_q)
+                record(("dq", b), t_dq)
+            if ext is not None:
+                bits, offsets, total = layouts[b]
+                t_rq, _ = timed(lambda: ext.quantize(x, bits, offsets, total, args.group_size,
+                                                     rnd, stochastic))
+                t_rdq, _ = timed(lambda: ext.dequantize(q.data, q.lo, q.step, bits, offsets,
+                                                        args.group_size, prealloc))
+                if keep:
+                    record(("rq", b), t_rq)
+                    record(("rdq", b), t_rdq)
+            del q
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    clone, copy_ = med["clone"], med["copy_"]
+    gbs = lambda s: nbytes / s / 1e9  # noqa: E731
+    print(f"\nx.clone():                 {clone * 1e3:8.2f} ms  {gbs(clone):6.2f} GB/s")
+    print(f"out.copy_(x) preallocated: {copy_ * 1e3:8.2f} ms  {gbs(copy_):6.2f} GB/s")
+    print("\npublic API (az.quantize / az.dequantize), ratio = time / x.clone() time:")
+    print(f"{'bits':>4} | {'quantize ms':>11} {'x clone':>8} {'GB/s':>7} | "
+          f"{'dequantize ms':>13} {'x clone':>8} {'GB/s':>7}")
+    for b in WIDTHS:
+        q, dq = med[("q", b)], med[("dq", b)]
+        print(f"{b:>4} | {q * 1e3:11.2f} {q / clone:8.2f} {gbs(q):7.2f} | "
+              f"{dq * 1e3:13.2f} {dq / clone:8.2f} {gbs(dq):7.2f}")
+    if ext is not None:
+        print("\nraw actnn_zoo._C calls: quantize (vs x.clone()), and dequantize into a "
+              "preallocated output (vs out.copy_(x) into a preallocated output):")
+        print(f"{'bits':>4} | {'quantize ms':>11} {'x clone':>8} {'GB/s':>7} | "
+              f"{'dequantize ms':>13} {'x copy_':>8} {'GB/s':>7}")
+        for b in WIDTHS:
+            q, dq = med[("rq", b)], med[("rdq", b)]
+            print(f"{b:>4} | {q * 1e3:11.2f} {q / clone:8.2f} {gbs(q):7.2f} | "
+                  f"{dq * 1e3:13.2f} {dq / copy_:8.2f} {gbs(dq):7.2f}")
+    else:
+        print("\n(no compiled extension loaded: the numbers above are the pure-torch reference)")
+
+
+if __name__ == "__main__":
+    main()
