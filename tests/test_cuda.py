@@ -1,0 +1,480 @@
+"""The CUDA kernels (actnn_zoo._C built with ACTNN_ZOO_CUDA) against the executable spec
+(quant/reference.py) and the CPU kernels, bit for bit; Q-layers on CUDA against fp32 autograd.
+
+Skipped as a whole without a CUDA device or without CUDA kernels in the extension.
+
+Comparison rules (the same as tests/test_kernels.py): packed codes byte for byte; lo/step as bf16
+bit patterns, except that a group holding both +0.0 and -0.0 may get the other sign of zero than
+torch's amin/amax picks (which zero a min-reduction returns depends on its order); dequantized
+values bit for bit with NaN compared as NaN (torch writes different NaN payloads for bf16
+depending on its vectorised or scalar path).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from actnn_zoo.quant import backend  # noqa: E402
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    _C = backend.extension()
+if _C is None or not getattr(_C, "has_cuda", False):
+    pytest.skip("actnn_zoo._C has no CUDA kernels (built without ACTNN_ZOO_CUDA)",
+                allow_module_level=True)
+
+import actnn_zoo as az  # noqa: E402
+from actnn_zoo.quant import reference as R  # noqa: E402
+
+DEV = torch.device("cuda")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _layout(x2d, bits):
+    n = x2d.shape[0]
+    if isinstance(bits, int):
+        b = torch.full((n,), bits, dtype=torch.uint8)
+    else:
+        b = torch.as_tensor(bits, dtype=torch.uint8)
+    offsets = R.row_offsets(x2d.shape[1], b)
+    return b, offsets, int(offsets[-1])
+
+
+def _mixed_zero_groups(x2d, group_size):
+    """(N, G) bool: groups holding both +0.0 and -0.0 (the signed-zero exception)."""
+    x = x2d.float().cpu()
+    n, d = x.shape
+    g = -(-d // group_size)
+    pad = g * group_size - d
+    pos = (x == 0) & ~torch.signbit(x)
+    neg = (x == 0) & torch.signbit(x)
+    pos = torch.nn.functional.pad(pos, (0, pad)).view(n, g, group_size).any(2)
+    neg = torch.nn.functional.pad(neg, (0, pad)).view(n, g, group_size).any(2)
+    return pos & neg
+
+
+def _assert_bytes_equal(want, got, what):
+    want, got = want.cpu(), got.cpu()
+    assert got.dtype == torch.uint8 and got.shape == want.shape, (what, got.shape, want.shape)
+    if not torch.equal(want, got):
+        diff = (want != got).nonzero().flatten()[:5]
+        raise AssertionError(f"{what}: bytes differ at {diff.tolist()}: want "
+                             f"{want[diff].tolist()} got {got[diff].tolist()}")
+
+
+def _assert_meta_equal(want, got, what, mixed_zero):
+    want, got = want.cpu(), got.cpu()
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape, what
+    wb, gb = want.view(torch.int16), got.view(torch.int16)
+    same = (wb == gb) | (mixed_zero & (want.float() == 0) & (got.float() == 0))
+    bad = (~same).nonzero()
+    assert bad.numel() == 0, (f"{what} differs at {bad[:5].tolist()}: want "
+                              f"{wb[~same][:5].tolist()} got {gb[~same][:5].tolist()}")
+
+
+def _assert_float_bits_equal(want, got, what):
+    want, got = want.cpu(), got.cpu()
+    assert want.dtype == got.dtype and want.shape == got.shape, what
+    wn, gn = torch.isnan(want), torch.isnan(got)
+    assert torch.equal(wn, gn), f"{what}: NaN positions differ"
+    iv = INT_VIEW[want.dtype]
+    same = (want.view(iv) == got.view(iv)) | wn
+    if not bool(same.all()):
+        idx = (~same).nonzero()[:5].tolist()
+        raise AssertionError(f"{what} differs at {idx}: want {want[~same][:5].tolist()} "
+                             f"got {got[~same][:5].tolist()}")
+
+
+def check_parity(x2d, bits, group_size, seed=0, stochastic=True, out_dtypes=None,
+                 with_cpu=True):
+    """Quantize on CUDA, with the reference and with the CPU kernels; dequantize likewise."""
+    x_cpu = x2d.detach().cpu().contiguous()
+    x_gpu = x2d.detach().to(DEV).contiguous() if x2d.device.type != "cuda" else x2d.contiguous()
+    b, offsets, total = _layout(x_cpu, bits)
+    b_gpu, off_gpu = b.to(DEV), offsets.to(DEV)
+    want = R.quantize(x_cpu, b, offsets, total, group_size, seed, stochastic)
+    got = _C.quantize(x_gpu, b_gpu, off_gpu, total, group_size, seed, stochastic)
+    assert all(t.device.type == "cuda" for t in got)
+    mixed_zero = _mixed_zero_groups(x_cpu, group_size)
+    _assert_bytes_equal(want[0], got[0], "packed codes (cuda vs reference)")
+    _assert_meta_equal(want[1], got[1], "lo (cuda vs reference)", mixed_zero)
+    _assert_meta_equal(want[2], got[2], "step (cuda vs reference)", mixed_zero)
+    if with_cpu:
+        cpu = _C.quantize(x_cpu, b, offsets, total, group_size, seed, stochastic)
+        _assert_bytes_equal(cpu[0], got[0], "packed codes (cuda vs cpu)")
+        _assert_meta_equal(cpu[1], got[1], "lo (cuda vs cpu)", mixed_zero)
+        _assert_meta_equal(cpu[2], got[2], "step (cuda vs cpu)", mixed_zero)
+    for dt in out_dtypes or (x_cpu.dtype,):
+        ref_out = torch.empty(x_cpu.shape, dtype=dt)
+        R.dequantize(want[0], want[1], want[2], b, offsets, group_size, ref_out)
+        out = torch.empty(x_cpu.shape, dtype=dt, device=DEV)
+        res = _C.dequantize(got[0], got[1], got[2], b_gpu, off_gpu, group_size, out)
+        assert res.data_ptr() == out.data_ptr()
+        _assert_float_bits_equal(ref_out, out, f"dequantized {dt} (cuda vs reference)")
+        if with_cpu:
+            cpu_out = torch.empty(x_cpu.shape, dtype=dt)
+            _C.dequantize(got[0].cpu(), got[1].cpu(), got[2].cpu(), b, offsets, group_size,
+                          cpu_out)
+            _assert_float_bits_equal(cpu_out, out, f"dequantized {dt} (cuda vs cpu)")
+    return got
+
+
+# ----------------------------------------------------------------------------------------------
+# parity
+# ----------------------------------------------------------------------------------------------
+# Group sizes that take every kernel path: 1, 4 and 32 lanes per group with one octet per lane
+# (8, 32, 256), two (264), four (520, 1024) and the uncached loop (2048).
+GROUP_SIZES = (8, 32, 256, 264, 520, 1024, 2048)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_parity_widths_dtypes(dtype, bits, stochastic):
+    g = torch.Generator().manual_seed(bits * 10 + stochastic)
+    x = (torch.randn(5, 2501, generator=g) * 3 + 1).to(dtype)
+    for gs in GROUP_SIZES:
+        check_parity(x, bits, gs, seed=1234 + gs, stochastic=stochastic,
+                     out_dtypes=(torch.float32, dtype))
+
+
+@pytest.mark.parametrize("d", [1, 3, 7, 8, 9, 13, 63, 64, 65, 255, 257, 520, 1031])
+@pytest.mark.parametrize("group_size", [8, 32, 256, 264])
+def test_parity_row_lengths(d, group_size):
+    g = torch.Generator().manual_seed(d)
+    x = torch.rand(3, d, generator=g) - 0.25
+    for bits in (1, 2, 4, 8):
+        check_parity(x, bits, group_size, seed=d * 7 + bits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parity_mixed_row_widths(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(9, 333, generator=g) * torch.logspace(-3, 3, 9).unsqueeze(1)).to(dtype)
+    bits = [1, 2, 4, 8, 8, 4, 2, 1, 1]  # odd byte offsets: unaligned code stores
+    for gs in (8, 32, 256, 264, 520):
+        for stochastic in (True, False):
+            check_parity(x, bits, gs, seed=99, stochastic=stochastic,
+                         out_dtypes=(torch.float32, torch.float16, torch.bfloat16))
+
+
+def test_parity_seeds():
+    x = torch.randn(2, 300)
+    for seed in (0, 1, 2 ** 31 - 1, 2 ** 32 - 1):
+        check_parity(x, 2, 256, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# special values
+# ----------------------------------------------------------------------------------------------
+def _specials(d, dtype):
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(8, d, generator=g)
+    x[0, 3 % d] = float("nan")
+    x[1, d - 1] = float("inf")
+    x[2, 0] = float("-inf")
+    x[3] = 0.0
+    x[3, 1::2] = -0.0                        # both zeros: the signed-zero exception
+    x[4] = 1.5                               # constant row: step from the nudges only
+    x[5] = torch.randn(d, generator=g) * 1e-40   # denormal range: step floored at 2^-126
+    x[6] = -0.0
+    x[7] = torch.randn(d, generator=g) * 1e30
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_special_values(dtype, stochastic):
+    for d, gs in ((300, 256), (19, 8), (70, 64), (1100, 520), (2100, 2048)):
+        x = _specials(d, dtype)
+        for bits in (1, 2, 4, 8):
+            check_parity(x, bits, gs, seed=d + bits, stochastic=stochastic,
+                         out_dtypes=(torch.float32, torch.float16, torch.bfloat16))
+
+
+def test_extreme_magnitudes():
+    rows = [[3.4e38, -3.4e38, 1.0, 0.0] * 4,        # range overflows fp32: NaN group
+            [3.3e38, 3.39e38, 3.0e38, 1e38] * 4,      # near the top of bf16
+            [-3.39e38, 0.0, 0.0, 0.0] * 4,            # lo rounds down to -inf: NaN group
+            [1e-45, 0.0, 0.0, 0.0] * 4]               # smallest denormal
+    x = torch.tensor(rows)
+    for bits in (1, 2, 4, 8):
+        for gs in (8, 16):
+            check_parity(x, bits, gs, out_dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    h = torch.tensor([[65504.0, -65504.0, 0.0, 1.0] * 2, [float("nan")] + [1.0] * 7,
+                      [6e-8, 0, 0, 0] * 2], dtype=torch.float16)
+    for bits in (1, 8):
+        check_parity(h, bits, 8, out_dtypes=(torch.float32, torch.float16))
+
+
+def test_nonfinite_group_is_nan_and_others_untouched():
+    x = torch.randn(2, 512)
+    x[0, 300] = float("nan")
+    data, lo, step = check_parity(x, 2, 256, seed=5)
+    assert torch.isnan(lo[0, 1].float()) and torch.isnan(step[0, 1].float())
+    assert torch.isfinite(lo[0, 0].float()) and torch.isfinite(lo[1].float()).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# layout corner cases: alignment, big grids, gaps
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_input_and_output(dtype):
+    """Storage offsets of one element: the kernels must take their scalar paths."""
+    n, d = 3, 512
+    buf = torch.randn(n * d + 1, device=DEV).to(dtype)
+    x = buf[1:].view(n, d)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    b, offsets, total = _layout(x, 2)
+    got = _C.quantize(x, b.to(DEV), offsets.to(DEV), total, 256, 3, True)
+    want = R.quantize(x.cpu(), b, offsets, total, 256, 3, True)
+    _assert_bytes_equal(want[0], got[0], "codes")
+    obuf = torch.empty(n * d + 1, dtype=dtype, device=DEV)
+    out = obuf[1:].view(n, d)
+    _C.dequantize(got[0], got[1], got[2], b.to(DEV), offsets.to(DEV), 256, out)
+    ref_out = torch.empty(n, d, dtype=dtype)
+    R.dequantize(want[0], want[1], want[2], b, offsets, 256, ref_out)
+    _assert_float_bits_equal(ref_out, out, "dequantized")
+
+
+def test_more_than_65535_groups():
+    """70,001 groups in one row at group size 256 (more than the capped grid covers in one
+    pass, so the grid-stride loop runs) and 70,001 groups of 8 in rows of one group."""
+    x = torch.randn(1, 70001 * 256 - 5)
+    check_parity(x, 2, 256, seed=11, with_cpu=True)
+    y = torch.randn(70001, 8)
+    check_parity(y, 1, 8, seed=12, with_cpu=True)
+
+
+def test_gaps_between_rows_are_zero():
+    x = torch.randn(3, 37)
+    b = torch.tensor([2, 8, 1], dtype=torch.uint8)
+    offsets = torch.tensor([3, 17, 55, 66])          # rows of 10, 37 and 5 bytes, with gaps
+    total = 66
+    want = R.quantize(x, b, offsets, total, 16, 5, True)
+    got = _C.quantize(x.to(DEV), b.to(DEV), offsets.to(DEV), total, 16, 5, True)
+    _assert_bytes_equal(want[0], got[0], "codes with gaps")
+
+
+def test_empty_inputs():
+    for shape in ((0, 5), (3, 0), (0,), (0, 0, 4)):
+        x = torch.empty(shape, device=DEV)
+        q = az.quantize(x, 2)
+        y = az.dequantize(q)
+        assert y.shape == x.shape and y.device.type == "cuda"
+
+
+def test_kernels_on_degenerate_shapes():
+    x = torch.empty(3, 0, device=DEV)
+    b = torch.full((3,), 2, dtype=torch.uint8, device=DEV)
+    offsets = torch.zeros(4, dtype=torch.int64, device=DEV)
+    data, lo, step = _C.quantize(x, b, offsets, 0, 256, 0, True)
+    assert data.numel() == 0 and lo.shape == (3, 0) and step.shape == (3, 0)
+    out = torch.empty(3, 0, device=DEV)
+    assert _C.dequantize(data, lo, step, b, offsets, 256, out).shape == (3, 0)
+    assert _C.pack_mask(torch.empty(0, dtype=torch.bool, device=DEV)).numel() == 0
+    assert _C.unpack_mask(torch.empty(0, dtype=torch.uint8, device=DEV), 0).numel() == 0
+
+
+ERRORS = (RuntimeError, ValueError, TypeError)
+
+
+def test_bad_arguments_raise():
+    x = torch.randn(4, 100, device=DEV)
+    b, offsets, total = _layout(x, 2)
+    b, offsets = b.to(DEV), offsets.to(DEV)
+    good = [x, b, offsets, total, 32, 0, True]
+    for i, bad in [(0, x.double()), (0, x.t()), (0, x.reshape(-1)), (1, b.cpu()),
+                   (1, b.long()), (1, b[:3]), (2, offsets.int()), (2, offsets[:4]),
+                   (3, -1), (4, 12), (4, 0)]:
+        args = list(good)
+        args[i] = bad
+        with pytest.raises(ERRORS):
+            _C.quantize(*args)
+    data, lo, step = _C.quantize(*good)
+    out = torch.empty(4, 100, device=DEV)
+    dgood = [data, lo, step, b, offsets, 32, out]
+    for i, bad in [(0, data.to(torch.int8)), (1, lo.float()), (1, lo[:, :2]), (2, step[:3]),
+                   (3, b.cpu()), (5, 64), (5, 9), (6, torch.empty(4, 200, device=DEV)),
+                   (6, torch.empty(4, 100, device=DEV, dtype=torch.float64)),
+                   (6, torch.empty(100, 4, device=DEV).t()), (6, torch.empty(4, 100))]:
+        args = list(dgood)
+        args[i] = bad
+        with pytest.raises(ERRORS):
+            _C.dequantize(*args)
+    with pytest.raises(ERRORS):
+        _C.pack_mask(torch.ones(8, dtype=torch.uint8, device=DEV))
+    with pytest.raises(ERRORS):
+        _C.unpack_mask(torch.zeros(2, dtype=torch.uint8, device=DEV), 17)
+    torch.cuda.synchronize()  # nothing asynchronous went wrong either
+
+
+def test_deterministic_and_stream_safe():
+    x = torch.randn(64, 4096, device=DEV)
+    b, offsets, total = _layout(x, 2)
+    args = (b.to(DEV), offsets.to(DEV), total, 256, 42, True)
+    first = _C.quantize(x, *args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        second = _C.quantize(x, *args)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for a, c in zip(first, second):
+        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------
+# masks
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 64, 65, 1000, 4097, 1 << 20])
+def test_mask_parity(n):
+    g = torch.Generator().manual_seed(n)
+    m = torch.rand(n, generator=g) > 0.5
+    want = R.pack_mask(m)
+    got = _C.pack_mask(m.to(DEV))
+    _assert_bytes_equal(want, got, "packed mask")
+    _assert_bytes_equal(_C.pack_mask(m), got, "packed mask (cpu)")
+    back = _C.unpack_mask(got, n)
+    assert back.dtype == torch.bool and back.device.type == "cuda"
+    assert torch.equal(back.cpu(), m)
+
+
+def test_mask_unaligned_and_api():
+    buf = torch.rand(1002, device=DEV) > 0.3
+    m = buf[1:]                                   # contiguous, 1 byte off alignment
+    _assert_bytes_equal(R.pack_mask(m.cpu()), _C.pack_mask(m), "unaligned mask")
+    mask = torch.rand(4, 5, 7, device=DEV) > 0.5
+    packed = az.quant.pack_mask(mask)
+    assert packed.device.type == "cuda" and packed.numel() == (mask.numel() + 7) // 8
+    assert torch.equal(az.quant.unpack_mask(packed, mask.shape), mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# the public API on CUDA
+# ----------------------------------------------------------------------------------------------
+def test_backend_is_cuda():
+    assert az.backend_name() == "cuda"
+    assert backend.kernels(DEV) is _C
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_api_same_on_cpu_and_cuda(dtype, bits):
+    x = (torch.randn(4, 3, 33, 17) * 2).to(dtype)
+    qc = az.quantize(x, bits, seed=123)
+    qg = az.quantize(x.to(DEV), bits, seed=123)
+    assert qg.device.type == "cuda"
+    _assert_bytes_equal(qc.data, qg.data, "api codes")
+    y = az.dequantize(qg)
+    assert y.shape == x.shape and y.dtype == dtype and y.device.type == "cuda"
+    _assert_float_bits_equal(az.dequantize(qc), y, "api dequantized")
+
+
+def test_api_mixed_bits_on_cuda():
+    x = torch.randn(6, 1000)
+    bits = torch.tensor([1, 2, 4, 8, 2, 1])
+    qc = az.quantize(x, bits, seed=9)
+    qg = az.quantize(x.to(DEV), bits.to(DEV), seed=9)
+    _assert_bytes_equal(qc.data, qg.data, "mixed codes")
+    _assert_float_bits_equal(az.dequantize(qc), az.dequantize(qg), "mixed dequantized")
+
+
+def test_stochastic_rounding_is_unbiased_on_cuda():
+    torch.manual_seed(0)
+    x = torch.randn(1, 4096, device=DEV)
+    acc = torch.zeros_like(x)
+    k = 200
+    for _ in range(k):
+        acc += az.dequantize(az.quantize(x, 2))
+    q = az.quantize(x, 2)
+    step = q.step.float().repeat_interleave(256, dim=1)[:, :4096]
+    # mean of k draws: error std <= step / (2 sqrt(k)); allow 6 sigma
+    assert ((acc / k - x).abs() <= 6 * step / (2 * k ** 0.5) + 1e-6).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Q-layers on CUDA: gradients at 8 bits against fp32 autograd; autocast
+# ----------------------------------------------------------------------------------------------
+def _qnn(name):
+    import actnn_zoo.nn as qnn
+    cls = getattr(qnn, name, None)
+    if cls is None:
+        pytest.skip(f"actnn_zoo.nn has no {name}")
+    return cls
+
+
+def _qconfig(bits):
+    from actnn_zoo.config import LayerQConfig
+    return LayerQConfig(bits=bits)
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def _grads(module, x, grad_out_seed=12345):
+    x = x.detach().clone().requires_grad_(True)
+    out = module(x)
+    g = torch.Generator(device=out.device).manual_seed(grad_out_seed)
+    gout = torch.randn(out.shape, generator=g, device=out.device, dtype=out.dtype)
+    out.backward(gout)
+    grads = [x.grad] + [p.grad for p in module.parameters() if p.grad is not None]
+    return out.detach(), grads
+
+
+LAYERS = {
+    "QConv2d": (lambda: torch.nn.Conv2d(8, 16, 3, padding=1), (4, 8, 16, 16)),
+    "QLinear": (lambda: torch.nn.Linear(300, 64), (32, 300)),
+    "QBatchNorm2d": (lambda: torch.nn.BatchNorm2d(8), (4, 8, 16, 16)),
+    "QReLU": (lambda: torch.nn.ReLU(), (4, 8, 16, 16)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_gradients_at_8_bits(name):
+    cls = _qnn(name)
+    make, shape = LAYERS[name]
+    torch.manual_seed(0)
+    ref = make().to(DEV).train()
+    q = cls.from_float(copy.deepcopy(ref), _qconfig(8)).train()
+    x = torch.randn(shape, device=DEV)
+    out_ref, g_ref = _grads(ref, x)
+    out_q, g_q = _grads(q, x)
+    torch.testing.assert_close(out_q, out_ref)  # forward runs the real op
+    assert len(g_ref) == len(g_q)
+    for a, b in zip(g_ref, g_q):
+        assert _cos(a, b) >= 0.9999, (name, _cos(a, b))
+    if name == "QReLU":
+        assert torch.equal(g_ref[0], g_q[0])  # the 1-bit mask is exact
+
+
+@pytest.mark.parametrize("name", ["QConv2d", "QLinear"])
+@pytest.mark.parametrize("amp_dtype", [torch.float16, torch.bfloat16])
+def test_layer_autocast(name, amp_dtype):
+    cls = _qnn(name)
+    make, shape = LAYERS[name]
+    torch.manual_seed(1)
+    ref = make().to(DEV).train()
+    q = cls.from_float(copy.deepcopy(ref), _qconfig(8)).train()
+    x = torch.randn(shape, device=DEV)
+    with torch.autocast("cuda", dtype=amp_dtype):
+        out_ref, g_ref = _grads(ref, x)
+        out_q, g_q = _grads(q, x)
+    assert out_q.dtype == out_ref.dtype == amp_dtype
+    torch.testing.assert_close(out_q, out_ref)
+    for a, b in zip(g_ref, g_q):
+        assert a.dtype == b.dtype
+        assert torch.isfinite(b).all()
+        assert _cos(a, b) >= 0.999, (name, amp_dtype, _cos(a, b))
