@@ -21,6 +21,9 @@
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__GNUC__)
 #define AZ_INLINE inline __attribute__((always_inline))
@@ -32,7 +35,7 @@ namespace actnn_zoo {
 namespace {
 
 constexpr int kBlock = 256;           // values per quantization block (codes kept in L1)
-constexpr int kChunk = 64;            // values per dequantization chunk
+constexpr int kChunk = 64;            // values per dequantization chunk (then units of 16)
 constexpr uint16_t kBf16NaN = 0x7FC0;  // what torch.tensor(nan, dtype=bfloat16) holds
 constexpr uint32_t kHashC1 = 0x85EBCA6Bu;
 constexpr float kMinStep = 0x1p-126f;        // reference.MIN_STEP
@@ -81,19 +84,12 @@ inline int64_t row_bytes(int64_t d, int b) { return (d * b + 7) / 8; }
 // ---------------------------------------------------------------------------------------------
 // Loading blocks of input as float32 (float16/bfloat16 converted exactly)
 // ---------------------------------------------------------------------------------------------
-// Returns a pointer to n <= kBlock float values: the input itself for float32, else buf.
-AZ_INLINE const float* load_block(const float* src, int n, float* buf) {
-  (void)n;
-  (void)buf;
-  return src;
-}
-AZ_INLINE const float* load_block(const c10::BFloat16* src, int n, float* __restrict buf) {
+AZ_INLINE void load_block(const c10::BFloat16* src, int n, float* __restrict buf) {
   const uint16_t* __restrict s = reinterpret_cast<const uint16_t*>(src);
 #pragma omp simd
   for (int e = 0; e < n; ++e) buf[e] = bf16_value(s[e]);
-  return buf;
 }
-AZ_INLINE const float* load_block(const c10::Half* src, int n, float* buf) {
+AZ_INLINE void load_block(const c10::Half* src, int n, float* buf) {
   int e = 0;
 #if defined(__AVX512F__)
   for (; e + 16 <= n; e += 16) {
@@ -107,7 +103,6 @@ AZ_INLINE const float* load_block(const c10::Half* src, int n, float* buf) {
   }
 #endif
   for (; e < n; ++e) buf[e] = static_cast<float>(src[e]);  // exact either way
-  return buf;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -202,16 +197,18 @@ inline GroupMeta group_meta(float mn, float mx, bool finite, float levels) {
 // for every t (truncation is floor for t >= 0), and vectorisable: gcc does not vectorise floorf
 // under the default -ftrapping-math, and `t > 0 ? t : 0` / `q < L ? q : L` are exactly the
 // x86 max/min instructions (NaN -> the second operand, 0).
-AZ_INLINE uint8_t clamp_code(float t, float levels) {
+AZ_INLINE int32_t clamp_code(float t, float levels) {
   float q = t > 0.0f ? t : 0.0f;
   q = q < levels ? q : levels;
-  return static_cast<uint8_t>(static_cast<int32_t>(q));
+  return static_cast<int32_t>(q);
 }
 
 // Codes of n <= kBlock values (reference.quantize_codes), element k having index i0 + k.
+// n is a multiple of 16 and codes are int32, so the vector loop (16 lanes) covers all of it:
+// with uint8 codes gcc would pick 64 lanes and leave short groups to a branchy scalar tail.
 template <bool kStochastic>
 AZ_INLINE void code_block(const float* __restrict x, int n, float lo, float inv, float levels,
-                          uint64_t i0, uint32_t key, uint8_t* __restrict codes) {
+                          uint64_t i0, uint32_t key, int32_t* __restrict codes) {
   const uint32_t lo32 = static_cast<uint32_t>(i0);
   if (kStochastic && lo32 > 0xFFFFFFFFu - static_cast<uint32_t>(n - 1)) {
     // The low 32 bits of the index wrap inside this block (tensors over 2^32 elements only).
@@ -244,10 +241,10 @@ AZ_INLINE void code_block(const float* __restrict x, int n, float lo, float inv,
 struct Range {
   float mn = INFINITY, mx = -INFINITY, bad = 0.0f;
 };
-AZ_INLINE void range_update(const float* __restrict v, int64_t n, Range& r) {
+AZ_INLINE void range_update(const float* __restrict v, int n, Range& r) {
   float mn = r.mn, mx = r.mx, bad = r.bad;
 #pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : bad)
-  for (int64_t k = 0; k < n; ++k) {
+  for (int k = 0; k < n; ++k) {
     const float a = v[k];
     mn = a < mn ? a : mn;
     mx = a > mx ? a : mx;
@@ -257,23 +254,33 @@ AZ_INLINE void range_update(const float* __restrict v, int64_t n, Range& r) {
   r.mx = mx;
   r.bad = bad;
 }
-AZ_INLINE void group_range(const float* x, int64_t len, Range& r) { range_update(x, len, r); }
+
+// n <= kBlock input values as float32, padded with copies of the first value up to n16, a
+// multiple of 16 (neutral for the range; the padding's codes are discarded).
 template <typename T>
-AZ_INLINE void group_range(const T* x, int64_t len, Range& r) {
-  alignas(64) float buf[kBlock];
-  for (int64_t e = 0; e < len; e += kBlock) {
-    const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
-    range_update(load_block(x + e, n, buf), n, r);
+AZ_INLINE const float* padded_block(const T* x, int n, int n16, float* __restrict buf) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (n == n16) return x;
+    std::memcpy(buf, x, n * sizeof(float));
+  } else {
+    load_block(x, n, buf);
   }
+  for (int k = n; k < n16; ++k) buf[k] = buf[0];
+  return buf;
 }
 
 // One group of len values (len > 0) at element index i0; writes ceil(len * B / 8) bytes.
 template <typename T, int B, bool kStochastic>
 void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
                     uint16_t* lo_out, uint16_t* step_out) {
+  alignas(64) float buf[kBlock];
   // Pass 1: the range.
   Range r;
-  group_range(x, len, r);
+  for (int64_t e = 0; e < len; e += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
+    const int n16 = (n + 15) & ~15;
+    range_update(padded_block(x + e, n, n16, buf), n16, r);
+  }
   constexpr float kLevels = static_cast<float>((1 << B) - 1);
   const GroupMeta meta = group_meta(r.mn, r.mx, r.bad == 0.0f, kLevels);
   *lo_out = meta.lo;
@@ -284,15 +291,19 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
   }
 
   // Pass 2 (the group is in cache now): codes from the stored bf16 values, block by block.
-  alignas(64) float buf[kBlock];
+  alignas(64) int32_t codes32[kBlock];
   alignas(64) uint8_t codes[kBlock + 8];
   const float lo = bf16_value(meta.lo);
   const float step = bf16_value(meta.step);
   const float inv = step > 0.0f ? 1.0f / step : 0.0f;
   for (int64_t e = 0; e < len; e += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
-    const float* v = load_block(x + e, n, buf);
-    code_block<kStochastic>(v, n, lo, inv, kLevels, i0 + static_cast<uint64_t>(e), key, codes);
+    const int n16 = (n + 15) & ~15;
+    const float* v = padded_block(x + e, n, n16, buf);
+    code_block<kStochastic>(v, n16, lo, inv, kLevels, i0 + static_cast<uint64_t>(e), key,
+                            codes32);
+#pragma omp simd
+    for (int k = 0; k < n16; ++k) codes[k] = static_cast<uint8_t>(codes32[k]);
     // A row's last group may end inside a byte: its unused high bits are 0.
     std::memset(codes + n, 0, 8);
     pack_block<B>(codes, (n * B + 7) / 8, out + e * B / 8);
@@ -315,12 +326,32 @@ inline int64_t group_grain(int64_t group_size) {
   return std::max<int64_t>(1, (int64_t{1} << 15) / group_size);
 }
 
+// f(begin, end) over [0, total) in tasks of `grain` items, handed out dynamically over
+// torch's thread count. Unlike at::parallel_for's one static slice per thread, a thread that
+// starts late (a busy machine: the OS runs something else on that core for a time slice)
+// does not hold up the others, which take over its tasks. Items are independent, so the
+// result does not depend on who runs what.
+template <typename F>
+void parallel_tasks(int64_t total, int64_t grain, const F& f) {
+  if (total <= 0) return;
+  const int64_t tasks = (total + grain - 1) / grain;
+#ifdef _OPENMP
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t t = 0; t < tasks; ++t) f(t * grain, std::min(total, (t + 1) * grain));
+    return;
+  }
+#endif
+  at::parallel_for(0, total, grain, f);
+}
+
 template <typename T, bool kStochastic>
 void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, const uint8_t* bits,
                    const int64_t* offsets, uint32_t key, uint8_t* data, uint16_t* lo,
                    uint16_t* step) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
-  at::parallel_for(0, n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
+  parallel_tasks(n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
     for (int64_t id = begin; id < end; ++id) {
       const int64_t n = id / g_per_row;
       const int64_t g = id - n * g_per_row;
@@ -337,13 +368,18 @@ void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, co
 // ---------------------------------------------------------------------------------------------
 // Dequantization
 // ---------------------------------------------------------------------------------------------
-// 16 codes from the 2 * B bytes at `in` -> lo + q * step. Each lane shifts a broadcast word by
-// its own constant amount, so the loop is one vector of variable shifts.
+// 16 codes at `in` (2 * B bytes) -> lo + q * step in float32. For B < 8 each lane shifts a
+// broadcast word by its own constant amount: one vector of variable shifts, no shuffles.
 template <int B>
-AZ_INLINE void dequantize16(const uint8_t* __restrict in, float lo, float step,
-                            float* __restrict out) {
-  static_assert(B == 1 || B == 2 || B == 4, "8-bit codes are whole bytes");
-  if constexpr (B == 4) {
+AZ_INLINE void dequantize_unit(const uint8_t* __restrict in, float lo, float step,
+                               float* __restrict out) {
+  if constexpr (B == 8) {
+#pragma omp simd
+    for (int k = 0; k < 16; ++k) {
+      const float s = static_cast<float>(in[k]) * step;
+      out[k] = s + lo;
+    }
+  } else if constexpr (B == 4) {
     uint32_t w[2];
     std::memcpy(w, in, 8);
     for (int half = 0; half < 2; ++half) {
@@ -377,7 +413,7 @@ AZ_INLINE void dequantize_chunk(const uint8_t* __restrict in, float lo, float st
       out[k] = s + lo;
     }
   } else {
-    for (int c = 0; c < kChunk; c += 16) dequantize16<B>(in + c * B / 8, lo, step, out + c);
+    for (int c = 0; c < kChunk; c += 16) dequantize_unit<B>(in + c * B / 8, lo, step, out + c);
   }
 }
 
@@ -393,11 +429,15 @@ void dequantize_group(const uint8_t* in, int64_t len, float lo, float step, TO* 
       store_block(v, kChunk, out + e);
     }
   }
+  for (; e + 16 <= len; e += 16) {
+    dequantize_unit<B>(in + e * B / 8, lo, step, v);
+    store_block(v, 16, out + e);
+  }
   const int rest = static_cast<int>(len - e);
   if (rest > 0) {
-    alignas(64) uint8_t packed[kChunk] = {0};
+    alignas(16) uint8_t packed[16] = {0};
     std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(rest, B)));
-    dequantize_chunk<B>(packed, lo, step, v);
+    dequantize_unit<B>(packed, lo, step, v);
     store_block(v, rest, out + e);
   }
 }
@@ -417,7 +457,7 @@ void dequantize_impl(const uint8_t* data, const uint16_t* lo, const uint16_t* st
                      const uint8_t* bits, const int64_t* offsets, int64_t n_rows, int64_t d,
                      int64_t group_size, TO* out) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
-  at::parallel_for(0, n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
+  parallel_tasks(n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
     for (int64_t id = begin; id < end; ++id) {
       const int64_t n = id / g_per_row;
       const int64_t g = id - n * g_per_row;
@@ -471,10 +511,11 @@ bool check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n_row
     TORCH_CHECK_VALUE(off[n] >= 0 && off[n] <= limit - nb, "row ", n, " (", nb,
                       " bytes at offset ", off[n], ") does not fit in ", limit_name, " (", limit,
                       " bytes)");
-    TORCH_CHECK_VALUE(!ordered || off[n + 1] - off[n] >= nb, "offsets must increase by at "
+    // off[n] + nb <= limit here, so the sums below do not overflow.
+    TORCH_CHECK_VALUE(!ordered || off[n + 1] >= off[n] + nb, "offsets must increase by at "
                       "least each row's size: row ", n, " has ", nb, " bytes at offset ", off[n],
                       " but the next row starts at ", off[n + 1]);
-    tiled = tiled && off[n + 1] - off[n] == nb;
+    tiled = tiled && off[n + 1] == off[n] + nb;
   }
   return tiled;
 }
@@ -599,7 +640,7 @@ at::Tensor pack_mask_cpu(const at::Tensor& mask) {
   const uint8_t* m = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
   uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t full = n / 8;
-  at::parallel_for(0, full, kMaskGrain, [&](int64_t begin, int64_t end) {
+  parallel_tasks(full, kMaskGrain, [&](int64_t begin, int64_t end) {
 #pragma omp simd
     for (int64_t j = begin; j < end; ++j) {
       uint64_t v;
@@ -632,7 +673,7 @@ at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel) {
   const uint8_t* p = packed.data_ptr<uint8_t>();
   uint8_t* o = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
   const int64_t full = numel / 8;
-  at::parallel_for(0, full, kMaskGrain, [&](int64_t begin, int64_t end) {
+  parallel_tasks(full, kMaskGrain, [&](int64_t begin, int64_t end) {
 #pragma omp simd
     for (int64_t j = begin; j < end; ++j) {
       uint64_t v = p[j];

@@ -10,10 +10,15 @@ compared with `out.copy_(x)` into a preallocated output (no page faults on eithe
 Measurements are interleaved round by round, so load from other processes hits all of them
 alike; each number is the median over the rounds after warm-up. GB/s is the float tensor's
 size over the time.
+
+A fresh 64 MiB output costs thousands of first-touch page faults, paid alike by x.clone() and
+az.dequantize (both allocate their output); THP_MEM_ALLOC_ENABLE=1 (a torch setting) makes
+torch allocate large tensors on transparent huge pages, which removes most of that cost.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,6 +29,14 @@ from actnn_zoo.quant import reference as R
 from actnn_zoo.quant.backend import extension
 
 WIDTHS = (1, 2, 4, 8)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
 
 def timed(fn):
@@ -51,6 +64,9 @@ def main() -> None:
     ext = extension()
     print(f"actnn_zoo backend: {az.backend_name()}   torch {torch.__version__}   "
           f"torch.get_num_threads() = {torch.get_num_threads()}")
+    thp = _read("/sys/kernel/mm/transparent_hugepage/enabled")
+    print(f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '(unset)')}   "
+          f"transparent_hugepage: {thp}   load average: {_read('/proc/loadavg')}")
     print(f"tensor: float32 {tuple(x.shape)} = {nbytes / 2 ** 20:.1f} MiB, group_size "
           f"{args.group_size}, {args.rounding} rounding, median of {args.repeats} rounds after "
           f"{args.warmup} warm-up")

@@ -242,7 +242,7 @@ def _cases(draw):
         bits = draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=n, max_size=n))
     else:
         bits = draw(st.sampled_from([1, 2, 4, 8]))
-    group_size = draw(st.sampled_from([8, 16, 32, 64, 256, 1024]))
+    group_size = draw(st.sampled_from([8, 16, 24, 32, 64, 256, 264, 1024]))
     return (x.to(dtype), bits, group_size, draw(st.integers(0, 2 ** 32 - 1)),
             draw(st.booleans()))
 
