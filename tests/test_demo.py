@@ -1,0 +1,147 @@
+"""Smoke runs of the demo's training functions, data loaders, table and CLI (a few steps each)."""
+from __future__ import annotations
+
+import importlib.util
+import statistics
+
+import pytest
+import torch
+
+from actnn_zoo.data import load_digits_data, load_text_corpus, sequential_windows
+from actnn_zoo.demo import (COLUMNS, DigitsSetup, TextSetup, format_table, run_task,
+                            train_digits, train_text)
+
+HAVE_CONVERTER = importlib.util.find_spec("actnn_zoo.convert") is not None
+TINY_DIGITS = DigitsSetup(epochs=2, batch_size=64, width=8, lr=0.05)
+TINY_TEXT = TextSetup(steps=30, batch_size=16, context=32, d_model=32, n_heads=2, n_layers=1,
+                      num_chars=50_000, eval_windows=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine spinning threads cost."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits_data()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_text_corpus(TINY_TEXT.num_chars)
+
+
+def _decreases(losses, k=8):
+    return statistics.fmean(losses[-k:]) < statistics.fmean(losses[:k])
+
+
+def test_digits_data_is_deterministic_and_normalised(digits):
+    again = load_digits_data()
+    assert torch.equal(digits.x_train, again.x_train) and torch.equal(digits.y_test, again.y_test)
+    assert digits.x_train.shape[1:] == (1, 8, 8)
+    assert len(digits.x_train) + len(digits.x_test) == 1797
+    assert abs(float(digits.x_train.mean())) < 1e-4
+    assert abs(float(digits.x_train.std()) - 1) < 1e-3
+    assert set(digits.y_test.tolist()) == set(range(10))
+
+
+def test_text_corpus_is_stdlib_source(corpus):
+    assert corpus.train.numel() + corpus.val.numel() == TINY_TEXT.num_chars
+    assert "import" in corpus.decode(corpus.train[:5000])
+    assert corpus.vocab_size == len(corpus.chars) and int(corpus.train.max()) < corpus.vocab_size
+    assert torch.equal(load_text_corpus(TINY_TEXT.num_chars).val, corpus.val)
+    byte = load_text_corpus(20_000, vocab="bytes")
+    assert byte.vocab_size == 256
+    x, y = next(sequential_windows(corpus.val, 8, 4))
+    assert torch.equal(x[0, 1:], y[0, :-1])
+
+
+def test_train_digits_fp32_learns(digits):
+    r = train_digits("fp32", TINY_DIGITS, seed=0, data=digits, progress=False)
+    assert len(r.losses) == 2 * (len(digits.x_train) // 64) == len(r.step_seconds)
+    assert _decreases(r.losses)
+    assert r.metric > 50.0  # test accuracy in percent; chance is 10
+
+
+def test_checkpoint_mode_same_start_and_data_order(digits):
+    a = train_digits("fp32", TINY_DIGITS, seed=1, data=digits, max_steps=3, progress=False)
+    b = train_digits("checkpoint", TINY_DIGITS, seed=1, data=digits, max_steps=3,
+                     progress=False)
+    assert a.losses[0] == pytest.approx(b.losses[0], rel=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CONVERTER, reason="converter not available yet")
+def test_train_digits_2bit_learns(digits):
+    r = train_digits("bits", TINY_DIGITS, seed=0, data=digits, max_steps=24, progress=False)
+    assert _decreases(r.losses)
+    assert all(l == l for l in r.losses)  # no NaN
+
+
+def test_train_text_learns(corpus):
+    r = train_text("fp32", TINY_TEXT, seed=0, corpus=corpus, progress=False)
+    assert len(r.losses) == TINY_TEXT.steps
+    assert _decreases(r.losses)
+    assert 0 < r.metric < r.losses[0]  # validation loss below the untrained loss
+
+
+def test_run_task_table_fields(digits):
+    modes = ["fp32", "checkpoint"] + (["bits"] if HAVE_CONVERTER else [])
+    small = DigitsSetup(epochs=1, batch_size=128, width=8)
+    rows = run_task("digits", modes, [0], None, None, small, TINY_TEXT, peak=False,
+                    mem_batch=None, progress=False, timing_steps=6)
+    assert [r.mode for r in rows][:2] == ["fp32", "checkpoint"]
+    ref = rows[0]
+    assert ref.ratio == pytest.approx(1.0) and ref.step_ratio == pytest.approx(1.0)
+    for r in rows:
+        assert r.metric_name == "acc%" and 0 <= r.metric <= 100
+        assert r.saved_mib > 0 and r.step_ms > 0 and r.curve
+    assert rows[1].ratio > 1.5  # checkpointing keeps only block inputs
+    if HAVE_CONVERTER:
+        assert rows[2].ratio > 5
+    table = format_table(rows)
+    for col in COLUMNS:
+        assert col in table
+    assert "ResNet (digits)" in table and "n/a" in table  # peak skipped
+
+
+def test_cli_help():
+    from actnn_zoo.__main__ import main
+    from actnn_zoo.demo import build_parser
+
+    for cmd in ("report", "bench", "max-batch"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+
+
+def test_cli_report_runs(capsys):
+    from actnn_zoo.__main__ import main
+
+    assert main(["report", "--model", "conv1d", "--batch", "8", "--mode", "checkpoint",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 saves" in out and "compression" in out
+
+
+@pytest.mark.skipif(not HAVE_CONVERTER, reason="converter not available yet")
+def test_cli_bench_rows_and_error_row(capsys, tmp_path):
+    from actnn_zoo.__main__ import main
+
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--models", "conv1d", "--bits", "2", "--batch", "8", "--no-peak",
+                 "--no-checkpoint", "--strategy", "no-such-strategy", "--json",
+                 str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "conv1d" in out and "2-bit" in out
+    import json
+
+    rows = json.loads(out_json.read_text())["rows"]
+    assert rows[0]["mode"] == "fp32" and rows[1]["saved_ratio"] > 5
+    assert "error" in rows[2]  # an unknown strategy is an error row, not a crash

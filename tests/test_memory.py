@@ -1,0 +1,176 @@
+"""Saved-activation accounting on hand-built cases, and the peak-memory child process."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from actnn_zoo.memory import (OUTSIDE, ROOT, PeakReport, StepSpec, compression_ratio,
+                              current_rss, find_max_batch, peak_rss, saved_activation_bytes,
+                              spec_peak_memory)
+
+F32 = 4
+
+
+class Mul(nn.Module):
+    def forward(self, x, y):
+        return x * y
+
+
+class SquareOfExp(nn.Module):
+    """exp saves its result; a * a saves the same tensor twice more."""
+
+    def forward(self, x):
+        a = x.exp()
+        return a * a
+
+
+class Halves(nn.Module):
+    """sin saves x; the product saves two views of one storage."""
+
+    def forward(self, x):
+        y = x.sin()
+        return y[:, :5] * y[:, 5:]
+
+
+class Parent(nn.Module):
+    """Saves something in its own forward (x * x) besides its child Linear's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x * x)
+
+
+def test_mul_saves_both_operands():
+    x = torch.randn(100, requires_grad=True)
+    y = torch.randn(100, requires_grad=True)
+    r = saved_activation_bytes(Mul(), x, y)
+    assert r.total_bytes == 2 * 100 * F32
+    assert r.num_tensors == 2
+    assert r.dtype_bytes == {"float32": 800}
+    assert r.module_bytes == {ROOT: 800}
+
+
+def test_linear_saves_input_not_weight():
+    lin = nn.Linear(64, 32)
+    x = torch.randn(8, 64, requires_grad=True)  # then addmm also saves weight.t() (a param view)
+    r = saved_activation_bytes(lin, x)
+    assert r.total_bytes == 8 * 64 * F32
+    assert r.num_tensors == 1
+    assert r.num_param_refs >= 1
+
+
+def test_same_storage_counted_once():
+    x = torch.randn(10, 10, requires_grad=True)
+    r = saved_activation_bytes(SquareOfExp(), x)
+    assert r.total_bytes == 100 * F32 and r.num_tensors == 1 and r.num_duplicates >= 1
+    r = saved_activation_bytes(Halves(), x)
+    assert r.total_bytes == 2 * 100 * F32  # x, and y's whole storage once for both views
+    assert r.num_tensors == 2
+
+
+def test_per_module_attribution_innermost():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(5, 16)
+    r = saved_activation_bytes(seq, x, loss_fn=lambda out: out.pow(2).sum())
+    # Linear 0 saves x; ReLU saves its output, which Linear 2 saves again (counted once, to the
+    # module that saved it first); the loss's pow saves the model output outside any module.
+    assert r.module_bytes == {"0": 5 * 16 * F32, "1": 5 * 8 * F32, OUTSIDE: 5 * 4 * F32}
+    assert r.total_bytes == sum(r.module_bytes.values())
+    p = saved_activation_bytes(Parent(), torch.randn(2, 6, requires_grad=True))
+    assert p.module_bytes == {ROOT: 2 * 6 * F32, "lin": 2 * 6 * F32}
+
+
+def test_buffers_and_rng_preserved_and_repeatable():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5)).train()
+    x = torch.randn(4, 1, 8, 8)
+    before = copy.deepcopy(m.state_dict())
+    state = torch.get_rng_state()
+    a = saved_activation_bytes(m, x)
+    b = saved_activation_bytes(m, x)
+    assert a.total_bytes == b.total_bytes > 0
+    assert torch.equal(torch.get_rng_state(), state)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert a.training
+    # The tracker left nothing behind: a plain forward/backward still works.
+    m(x).sum().backward()
+
+
+def test_compression_ratio_hand_built():
+    x = torch.randn(8, 64, requires_grad=True)
+    # Mul on (x, x) saves one storage; Mul on (x, 2x) saves two: ratio 2.
+    double = type("Double", (nn.Module,), {"forward": lambda self, a: a * (2 * a)})()
+    single = type("Single", (nn.Module,), {"forward": lambda self, a: a * a})()
+    assert compression_ratio(double, single, x) == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("actnn_zoo.convert") is None,
+                    reason="converter not available yet")
+def test_converted_cnn_compresses():
+    from actnn_zoo.memory import apply_mode
+    from actnn_zoo.models import build_model, example_batch
+
+    torch.manual_seed(0)
+    model = build_model("resnet", width=16).train()
+    x, _ = example_batch("resnet", 32, {})
+    q = apply_mode(copy.deepcopy(model), "bits", 2)
+    rep = saved_activation_bytes(q, x)
+    assert "uint8" in rep.dtype_bytes
+    assert compression_ratio(model, q, x) > 8
+
+
+def test_rss_counters():
+    rss = current_rss()
+    peak, method = peak_rss()
+    assert rss is None or rss > 0
+    assert peak > 0 and method in ("VmHWM", "ru_maxrss")
+
+
+def test_find_max_batch_bisects_with_fake_measure():
+    def measure(spec: StepSpec) -> PeakReport:
+        return PeakReport(delta_bytes=spec.batch_size * 1000)
+
+    res = find_max_batch(StepSpec("resnet", 1), 100_000, start=8, rel_tol=0.0, measure=measure)
+    assert res.batch_size == 100
+    assert not res.hit_limit
+    assert all(ok == (b <= 100) for b, _, ok in res.tries)
+    capped = find_max_batch(StepSpec("resnet", 1), 10 ** 9, start=8, limit=64, measure=measure)
+    assert capped.batch_size == 64 and capped.hit_limit
+
+
+def test_peak_memory_child_grows_with_batch():
+    small = spec_peak_memory(StepSpec("resnet", 32, model_kwargs={"width": 16}, steps=1))
+    large = spec_peak_memory(StepSpec("resnet", 1024, model_kwargs={"width": 16}, steps=1))
+    assert small.ok and large.ok, (small.error, large.error)
+    assert small.delta_bytes > 0
+    # ~35 MiB of fp32 activations at 1024 (saved_activation_bytes), ~1 MiB at 32.
+    assert large.delta_bytes > small.delta_bytes + 16 * 2 ** 20
+    assert "VmHWM" in large.method or "ru_maxrss" in large.method
+
+
+def test_peak_memory_child_error_is_reported():
+    rep = spec_peak_memory(StepSpec("no_such_model", 4))
+    assert not rep.ok and "no_such_model" in rep.error
+
+
+class Discards(nn.Module):
+    """Computes a softmax with grad enabled and throws it away (like a statistics hook)."""
+
+    def forward(self, x):
+        x.softmax(-1).sum().item()  # saved by SoftmaxBackward, then discarded
+        return x.exp()  # exp saves its own output: kept
+
+
+def test_discarded_branches_not_counted():
+    x = torch.randn(4, 10, requires_grad=True)
+    r = saved_activation_bytes(Discards(), x)
+    assert r.total_bytes == 40 * F32 and r.num_tensors == 1 and r.num_discarded == 1
