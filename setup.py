@@ -8,7 +8,8 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-march=native"]
 NVCC_FLAGS = ["-O3", "--fmad=false"]
-cpu_sources = ["cpp_ext/quant_cpu.cpp", "cpp_ext/bindings.cpp"]
+cpu_sources = ["cpp_ext/quant_cpu.cpp", "cpp_ext/widths_cpu.cpp",
+               "cpp_ext/bindings.cpp"]
 cuda_sources = ["cpp_ext/quant_cuda.cu"]
 
 with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
 
-__all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "as_config"]
+__all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,12 @@ class LayerQConfig:
         return asdict(self)
 
 
-# Bit-allocation strategies a QuantConfig may name. 'uniform' gives every layer the same width;
-# strategies added later (auto precision, ...) extend this tuple in this file, and read
-# ``bits`` as an average budget in [BUDGET_MIN, BUDGET_MAX] rather than one width.
-STRATEGIES: Tuple[str, ...] = ("uniform",)
+# Bit-allocation strategies a QuantConfig may name (implemented in actnn_zoo.precision, whose
+# STRATEGY_CLASSES has the same names). 'uniform' gives every layer the same width; the others
+# read ``bits`` as an average budget in [BUDGET_MIN, BUDGET_MAX] rather than one width.
+# 'actnn' (auto precision: per-layer and per-sample widths from gradients) is the default.
+STRATEGIES: Tuple[str, ...] = ("uniform", "actnn")
+DEFAULT_STRATEGY = "actnn"
 BUDGET_MIN, BUDGET_MAX = 1, 8
 GROUP_MULTIPLE = 32  # group sizes a config may ask for (the kernels accept multiples of 8)
 
@@ -324,13 +326,15 @@ class QuantConfig:
     Precedence (as torch.ao's QConfigMapping): global < ``type`` rules < ``pattern`` rules <
     ``name`` rules; among rules of one kind the later wins. Rules merge field by field.
     ``bits`` is one width (1, 2, 4, 8) for strategy 'uniform' and an average budget in [1, 8]
-    for the strategies that allocate widths per layer/sample. ``update_interval`` is how often
-    (in steps) such strategies re-allocate. ``enabled: false`` converts nothing.
+    for the strategies that allocate widths per layer/sample (the default, 'actnn': 2 bits on
+    average). ``update_interval`` is how often (in steps) such strategies re-allocate across
+    layers. A rule's ``bits`` pins the layers it matches to that width under any strategy.
+    ``enabled: false`` converts nothing.
     """
 
     bits: Union[int, float] = 2
     group_size: int = 256
-    strategy: str = "uniform"
+    strategy: str = DEFAULT_STRATEGY
     rounding: str = "stochastic"
     enabled: bool = True
     update_interval: int = 1
@@ -439,6 +443,17 @@ class QuantConfig:
             return None, f"skipped by rule {skip_by} ({self.rules[skip_by].describe()})"
         return LayerQConfig(bits=bits, group_size=group, rounding=rounding), None
 
+    def pinned_bits(self, module_name: str, module: object) -> Optional[int]:
+        """The width a rule fixes for this module (the strongest matching rule with ``bits``),
+        or None when no rule sets one and a budget strategy may choose it."""
+        bits = None
+        for kind in ("type", "pattern", "name"):
+            for rule in self.rules:
+                if rule.kind == kind and rule.bits is not None and rule.matches(module_name,
+                                                                                module):
+                    bits = rule.bits
+        return bits
+
     def resolve(self, module_name: str, module: object) -> Optional[LayerQConfig]:
         """The settings for the module at ``module_name``, or None to leave it unconverted."""
         return self.explain(module_name, module)[0]
@@ -471,7 +486,7 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
                 raise where.error((key,), str(e)) from None
     if "bits" in out:
         try:
-            out["bits"] = _check_budget(out.get("strategy", "uniform"), out["bits"])
+            out["bits"] = _check_budget(out.get("strategy", DEFAULT_STRATEGY), out["bits"])
         except ValueError as e:
             raise where.error(("bits",), str(e)) from None
     if "rules" in out:

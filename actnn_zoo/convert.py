@@ -28,10 +28,11 @@ from torch import nn
 from . import nn as qnn
 from .config import TOP_KEYS, ConfigLike, QuantConfig, _unknown_key, as_config
 from .nn._base import QModule
+from .precision import PRECISION_ATTR, PrecisionStrategy, TrackedLayer, build_strategy
 
 __all__ = ["convert_model", "restore_model", "register_mapping", "default_mapping",
-           "conversion_report", "ConversionReport", "ConvertedLayer", "SkippedLayer",
-           "UnmatchedRule"]
+           "conversion_report", "precision_strategy", "ConversionReport", "ConvertedLayer",
+           "SkippedLayer", "UnmatchedRule"]
 
 QMapping = Mapping[Type[nn.Module], Optional[Type[nn.Module]]]
 REPORT_ATTR = "actnn_zoo_report"
@@ -211,14 +212,17 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
                   mapping: Optional[QMapping] = None, **overrides: Any) -> nn.Module:
     """Swap every layer with a Q-layer for it, in place; returns the (possibly new) root.
 
-    ``config``: None (defaults: 2 bits), a YAML path, a dict or a :class:`QuantConfig`;
-    ``overrides`` (``bits=4``, ...) apply on top. ``mapping`` adds to or overrides the default
-    torch -> Q class mapping (see :func:`register_mapping`; a value None opts a class out).
+    ``config``: None (defaults: ``strategy: actnn``, 2 bits on average), a YAML path, a dict
+    or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top. ``mapping`` adds
+    to or overrides the default torch -> Q class mapping (see :func:`register_mapping`; a
+    value None opts a class out).
     Matching is by exact type; other modules are left alone. Q-layers already in the model are
     re-configured, swapped or restored so the result equals a fresh conversion (module doc).
     The root itself is converted when it has a Q-layer; use the returned object.
     A :class:`ConversionReport` is stored as ``model.actnn_zoo_report`` (see
-    :func:`conversion_report`); rules that match no module raise a UserWarning.
+    :func:`conversion_report`); rules that match no module raise a UserWarning. The config's
+    bit-allocation strategy is attached as ``model.actnn_zoo_precision`` (see
+    :func:`precision_strategy`; any earlier one is detached first).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_model expects an nn.Module, got {type(model).__name__}")
@@ -228,6 +232,7 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
     cfg = as_config(config, **overrides)
     table = _effective_mapping(mapping)
     report = ConversionReport(config=cfg)
+    _detach_precision(model)
 
     def decide(name: str, mod: nn.Module) -> Optional[nn.Module]:
         float_cls = _float_type(mod)
@@ -266,7 +271,34 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
         warnings.warn(f"actnn_zoo.convert_model: {len(unmatched)} config rule(s) matched no "
                       f"module in the model: {listed}", UserWarning, stacklevel=2)
     setattr(new_root, REPORT_ATTR, report)
+    _attach_precision(new_root, cfg)
     return new_root
+
+
+def _attach_precision(root: nn.Module, cfg: QuantConfig) -> None:
+    """Build ``cfg.strategy`` over the Q-layers of ``root`` and keep it on the root."""
+    layers = [TrackedLayer(name, mod, cfg.pinned_bits(name, mod))  # type: ignore[arg-type]
+              for name, mod in root.named_modules() if isinstance(mod, QModule)]
+    strategy = build_strategy(cfg)
+    strategy.attach(root, layers)
+    setattr(root, PRECISION_ATTR, strategy)
+
+
+def _detach_precision(model: nn.Module) -> None:
+    """Remove the strategy a previous conversion attached (hooks, per-sample widths)."""
+    strategy = vars(model).get(PRECISION_ATTR)
+    if isinstance(strategy, PrecisionStrategy):
+        strategy.detach()
+    if PRECISION_ATTR in vars(model):
+        delattr(model, PRECISION_ATTR)
+
+
+def precision_strategy(model: nn.Module) -> PrecisionStrategy:
+    """The bit-allocation strategy :func:`convert_model` attached to ``model``."""
+    strategy = vars(model).get(PRECISION_ATTR)
+    if not isinstance(strategy, PrecisionStrategy):
+        raise ValueError("this model was not converted by actnn_zoo.convert_model")
+    return strategy
 
 
 def restore_model(model: nn.Module) -> nn.Module:
@@ -281,8 +313,11 @@ def restore_model(model: nn.Module) -> nn.Module:
     def decide(name: str, mod: nn.Module) -> Optional[nn.Module]:
         return mod.to_float() if isinstance(mod, QModule) else None
 
+    _detach_precision(model)
     root = _swap(model, decide)
     for m in {id(model): model, id(root): root}.values():
         if REPORT_ATTR in vars(m):
             delattr(m, REPORT_ATTR)
+        if PRECISION_ATTR in vars(m):
+            delattr(m, PRECISION_ATTR)
     return root

@@ -98,6 +98,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Contiguous bool tensor -> ceil(n / 8) uint8, element i at bit i % 8 of byte i // 8.");
   m.def("unpack_mask", &unpack_mask, nogil, py::arg("packed"), py::arg("numel"),
         "Inverse of pack_mask: a 1-d bool tensor of numel values.");
+  m.def("range_statistic", &actnn_zoo::range_statistic_cpu, nogil, py::arg("x2d"),
+        py::arg("group_size"),
+        "CPU only: (N,) float32, per row the sum over its groups of len * (max - min)^2; a group "
+        "holding NaN or Inf counts 0.");
+  m.def("allocate_widths", &actnn_zoo::allocate_widths_cpu, nogil, py::arg("score"),
+        py::arg("extra"),
+        "CPU only: uint8 widths in {1, 2, 4, 8} minimising sum score / (2^b - 1)^2 with at most "
+        "`extra` bits above 1 each (precision.solver.allocate_samples).");
 #ifdef ACTNN_ZOO_CUDA
   m.attr("has_cuda") = py::bool_(true);
 #else

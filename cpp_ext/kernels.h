@@ -31,7 +31,8 @@ AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
 }
 
 // x2d: (N, D) contiguous float32/float16/bfloat16. bits: (N,) uint8 in {1,2,4,8}.
-// offsets: (N + 1,) int64 byte offset of each row, offsets[N] == total.
+// offsets: (N + 1,) int64 byte offset of each row, offsets[N] <= total (bytes after the last
+// row, a capacity the caller sized without reading the widths back, are zeroed).
 // A positive step below 2^-126 (denormal) is raised to 2^-126 after the two corrections, so that
 // 1 / step stays finite (see reference.group_metadata).
 // Returns (data uint8 [total], lo bf16 (N, G), step bf16 (N, G)), G = ceil(D / group_size).
@@ -45,6 +46,12 @@ at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at
 // Flat bool -> ceil(n / 8) bytes, element i at bit i % 8 of byte i / 8; and back.
 at::Tensor pack_mask_cpu(const at::Tensor& mask);
 at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel);
+// Auto precision on the CPU (widths_cpu.cpp; the GPU runs the torch versions in
+// actnn_zoo/precision): (N,) float32 per-sample sum over groups of len * range^2 of a contiguous
+// (N, D) float tensor; and uint8 widths in {1, 2, 4, 8} for float32 scores under `extra` bits
+// above 1 each (bit-identical to actnn_zoo.precision.solver.allocate_samples).
+at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size);
+at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra);
 
 #ifdef ACTNN_ZOO_CUDA
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(

@@ -484,8 +484,8 @@ void check_group_size(int64_t group_size) {
 
 // bits (N,) uint8 in {1,2,4,8}; offsets (N+1,) int64; every row's bytes inside [0, limit).
 // With `ordered` (quantize, which writes), rows must also come in order without overlapping,
-// so that no two groups write the same byte. Returns true when the rows tile [0, limit)
-// exactly (no gaps).
+// so that no two groups write the same byte. Returns true when the rows lie back to back from
+// byte 0 (no gaps before or between them; there may be unused bytes after the last row).
 bool check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n_rows, int64_t d,
                 int64_t limit, const char* limit_name, bool ordered) {
   check_cpu(bits, "bits");
@@ -502,7 +502,7 @@ bool check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n_row
   TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
   const uint8_t* b = bits.data_ptr<uint8_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  bool tiled = off[0] == 0 && off[n_rows] == limit;
+  bool tiled = off[0] == 0;
   for (int64_t n = 0; n < n_rows; ++n) {
     const int w = b[n];
     TORCH_CHECK_VALUE(w == 1 || w == 2 || w == 4 || w == 8, "bits[", n,
@@ -541,13 +541,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
   TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
   const int64_t n_rows = x2d.size(0), d = x2d.size(1);
   const bool tiled = check_rows(bits, offsets, n_rows, d, total, "total", true);
-  TORCH_CHECK_VALUE(offsets.data_ptr<int64_t>()[n_rows] == total, "offsets[N] (",
-                    offsets.data_ptr<int64_t>()[n_rows], ") must equal total (", total, ")");
+  TORCH_CHECK_VALUE(offsets.data_ptr<int64_t>()[n_rows] <= total, "offsets[N] (",
+                    offsets.data_ptr<int64_t>()[n_rows], ") must be at most total (", total, ")");
   const int64_t g_per_row = (d + group_size - 1) / group_size;
 
-  // Gaps between rows are zeros in the reference; skip the memset when there are none.
+  // Bytes outside every row are zeros in the reference. Rows back to back: only the tail after
+  // the last row (a capacity bound larger than the rows, see SampleBits) needs clearing.
   at::Tensor data = tiled ? at::empty({total}, x2d.options().dtype(at::kByte))
                           : at::zeros({total}, x2d.options().dtype(at::kByte));
+  if (tiled) {
+    const int64_t end = offsets.data_ptr<int64_t>()[n_rows];
+    if (end < total) std::memset(data.data_ptr<uint8_t>() + end, 0, total - end);
+  }
   at::Tensor lo = at::empty({n_rows, g_per_row}, x2d.options().dtype(at::kBFloat16));
   at::Tensor step = at::empty({n_rows, g_per_row}, x2d.options().dtype(at::kBFloat16));
   if (n_rows == 0 || d == 0) return {data, lo, step};

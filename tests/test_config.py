@@ -24,11 +24,11 @@ def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 
 
 # ----------------------------------------------------------------------------- basics
-def test_defaults_are_two_bit_uniform():
+def test_defaults_are_two_bit_auto_precision():
     cfg = QuantConfig()
     assert (cfg.bits, cfg.group_size, cfg.strategy, cfg.rounding, cfg.enabled,
-            cfg.update_interval, cfg.rules) == (2, 256, "uniform", "stochastic", True, 1, ())
-    assert "uniform" in STRATEGIES
+            cfg.update_interval, cfg.rules) == (2, 256, "actnn", "stochastic", True, 1, ())
+    assert "uniform" in STRATEGIES and "actnn" in STRATEGIES
     assert cfg.resolve("conv", nn.Conv2d(1, 1, 1)) == LayerQConfig(2, 256, "stochastic", True)
 
 
@@ -39,7 +39,9 @@ def test_config_is_immutable_and_replace_validates():
     four = cfg.replace(bits=4)
     assert four.bits == 4 and cfg.bits == 2
     with pytest.raises(ValueError, match="bits"):
-        cfg.replace(bits=3)
+        cfg.replace(bits=9)
+    with pytest.raises(ValueError, match="bits"):
+        cfg.replace(strategy="uniform", bits=3)
     with pytest.raises(TypeError, match="'bitz'.*did you mean 'bits'"):
         cfg.replace(bitz=4)
     with_rules = cfg.replace(rules=[{"type": "Conv2d", "bits": 8}])
@@ -61,7 +63,7 @@ def test_to_dict_of_from_dict_is_the_normalised_dict():
                                 {"type": ["Conv2d", "torch.nn.Linear"], "skip": True},
                                 {"name": "fc", "group_size": 64, "rounding": "nearest"}]}
     assert QuantConfig.from_dict(d).to_dict() == {
-        "bits": 4, "group_size": 256, "strategy": "uniform", "rounding": "stochastic",
+        "bits": 4, "group_size": 256, "strategy": "actnn", "rounding": "stochastic",
         "enabled": True, "update_interval": 1,
         "rules": [{"pattern": "layer1.*", "bits": 8},
                   {"type": ["Conv2d", "torch.nn.Linear"], "skip": True},
@@ -207,7 +209,8 @@ def raises_with(match_parts, fn, *args):
     ("bits: 2\nrules:\n  - pattern: a\n    bitz: 4\n", 4, ["rules[0].bitz", "did you mean 'bits'"]),
     ("rules:\n  - {type: Conv2d, bits: 8}\n  - patern: x\n    bits: 4\n", 3,
      ["rules[1].patern", "did you mean 'pattern'"]),
-    ("bits: 3\n", 1, ["bits", "(1, 2, 4, 8)", "got 3"]),
+    ("strategy: uniform\nbits: 3\n", 2, ["bits", "(1, 2, 4, 8)", "got 3"]),
+    ("bits: 9\n", 1, ["bits", "[1, 8]", "got 9"]),
     ("bits: 2\ngroup_size: 48\n", 2, ["group_size", "multiple of 32", "48"]),
     ("group_size: 0\n", 1, ["group_size", "multiple of 32"]),
     ("rules:\n  - name: fc\n    bits: 16\n", 3, ["rules[0].bits", "got 16"]),
@@ -218,7 +221,7 @@ def raises_with(match_parts, fn, *args):
      ["rules[0]", "exactly one matcher"]),
     ("rules:\n  - pattern: 're:('\n    bits: 4\n", 2, ["rules[0].pattern", "regular expression"]),
     ("rules:\n  - type: 'nn Conv'\n    bits: 4\n", 2, ["rules[0].type", "dotted path"]),
-    ("strategy: actnn\n", 1, ["strategy", "'actnn'", "known strategies: uniform"]),
+    ("strategy: gactt\n", 1, ["strategy", "'gactt'", "known strategies: uniform, actnn"]),
     ("rounding: up\n", 1, ["rounding", "'up'"]),
     ("enabled: 1\n", 1, ["enabled", "true or false"]),
     ("update_interval: 0\n", 1, ["update_interval", ">= 1"]),
@@ -292,7 +295,14 @@ def test_uniform_configs(name, bits):
     assert (cfg.bits, cfg.group_size, cfg.strategy, cfg.rules) == (bits, 256, "uniform", ())
     assert cfg.resolve("anything", nn.Linear(1, 1)).bits == bits
     if name == "2bit":
-        assert cfg == QuantConfig()  # the default config, written out
+        assert cfg == QuantConfig(strategy="uniform")  # the default budget, one width
+
+
+def test_auto_precision_configs():
+    l3 = QuantConfig.from_yaml(CONFIGS / "actnn_l3.yaml")
+    assert l3 == QuantConfig()  # the default config, written out
+    low = QuantConfig.from_yaml(CONFIGS / "actnn_1.5bit.yaml")
+    assert (low.strategy, low.bits, low.layer_bits()) == ("actnn", 1.5, 1)
 
 
 def test_cnn_first_last_config_resolves_resnet_names():

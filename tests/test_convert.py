@@ -321,7 +321,9 @@ def test_config_forms_and_overrides(tmp_path):
     with pytest.raises(TypeError, match="'bitz'.*did you mean 'bits'"):
         convert(tiny(), bitz=4)
     with pytest.raises(ValueError, match="bits"):
-        convert(tiny(), bits=3)
+        convert(tiny(), bits=9)
+    with pytest.raises(ValueError, match="bits"):
+        convert(tiny(), strategy="uniform", bits=3)
     bad = tmp_path / "bad.yaml"
     bad.write_text("bits: 2\ngroup_size: 100\n")
     with pytest.raises(ValueError, match=r"bad\.yaml', line 2: group_size"):

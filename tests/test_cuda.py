@@ -478,3 +478,45 @@ def test_layer_autocast(name, amp_dtype):
         assert a.dtype == b.dtype
         assert torch.isfinite(b).all()
         assert _cos(a, b) >= 0.999, (name, amp_dtype, _cos(a, b))
+
+
+# ----------------------------------------------------------------------------------------------
+# auto precision on the GPU: no device synchronisation per layer or per step
+# ----------------------------------------------------------------------------------------------
+def test_auto_precision_steps_do_not_synchronise():
+    """strategy: actnn on CUDA. After the first re-allocation has applied, training steps run
+    under torch.cuda.set_sync_debug_mode('error'): any synchronising call (an .item(), a
+    blocking device-to-host copy) raises. SampleBits must match a widths tensor's result."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.GELU(), torch.nn.Flatten(),
+        torch.nn.Linear(16 * 8 * 8, 10)).to(DEV)
+    model = az.convert_model(model, strategy="actnn", bits=1.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 3, 8, 8, device=DEV) * torch.rand(32, 1, 1, 1, device=DEV) * 10
+    y = torch.randint(0, 10, (32,), device=DEV)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):  # step 2 solves, step 3 applies (its read waits on one event)
+        step()
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()  # per-sample widths only (the next re-allocation is solved here)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    strategy = az.precision_strategy(model)
+    assert strategy.step == 4 and strategy.updates == 2
+    widths = model[0].sample_bits
+    assert isinstance(widths, az.SampleBits) and widths.bits.device.type == "cuda"
+    assert int(widths.bits.sum()) <= widths.max_sum
+    q = az.quantize(x, widths, group_size=64, seed=5)
+    plain = az.quantize(x, widths.bits, group_size=64, seed=5)
+    used = plain.data.numel()
+    assert torch.equal(q.data[:used], plain.data) and not bool(q.data[used:].any())

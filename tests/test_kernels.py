@@ -123,6 +123,22 @@ def test_parity_row_lengths(d, group_size):
         check_parity(x, bits, group_size, seed=d * 7 + bits)
 
 
+def test_parity_with_unused_capacity_after_the_rows():
+    """total larger than the rows need (SampleBits' bound): rows as usual, zeros after."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 301, generator=g)
+    b, offsets, total = _layout(x, [8, 1, 2, 4, 1])
+    for spare in (1, 7, 1000):
+        ref = R.quantize(x, b, offsets, total + spare, 32, 5, True)
+        got = _C.quantize(x, b, offsets, total + spare, 32, 5, True)
+        assert got[0].shape == (total + spare,) and torch.equal(ref[0], got[0])
+        assert not bool(got[0][total:].any())
+        want, out = torch.empty(5, 301), torch.empty(5, 301)
+        R.dequantize(ref[0], ref[1], ref[2], b, offsets, 32, want)
+        _C.dequantize(got[0], got[1], got[2], b, offsets, 32, out)
+        assert torch.equal(want, out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_parity_mixed_row_widths(dtype):
     g = torch.Generator().manual_seed(3)

@@ -157,6 +157,42 @@ def test_mixed_precision_buffer_has_exactly_the_implied_size():
                         + 8 * (widths.numel() + 1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(widths=st.lists(st.sampled_from(BITS), min_size=1, max_size=12),
+       d=st.integers(1, 700), spare=st.integers(0, 40), seed=st.integers(0, 2 ** 31 - 1))
+def test_sample_bits_reads_nothing_back_and_matches_a_widths_tensor(widths, d, spare, seed):
+    """SampleBits sizes the buffer from the host bound (rows first, zeros after them) and
+    otherwise gives exactly what a plain widths tensor gives."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(widths), d, generator=g)
+    b = torch.tensor(widths, dtype=torch.uint8)
+    plain = az.quantize(x, b, group_size=64, seed=seed)
+    bound = az.quantize(x, az.SampleBits(b, sum(widths) + spare), group_size=64, seed=seed)
+    used = plain.data.numel()
+    assert bound.data.numel() == (d * (sum(widths) + spare) + 7 * len(widths)) // 8 >= used
+    assert torch.equal(bound.data[:used], plain.data)
+    assert not bool(bound.data[used:].any())
+    assert torch.equal(bound.lo.view(torch.int16), plain.lo.view(torch.int16))
+    assert torch.equal(bound.offsets, plain.offsets) and torch.equal(bound.row_bits, b)
+    assert torch.equal(az.dequantize(bound), az.dequantize(plain))
+    assert bound.nbytes == plain.nbytes + bound.data.numel() - used
+
+
+def test_sample_bits_promises_are_checked_on_cpu():
+    x = torch.randn(3, 50)
+    b = torch.tensor([2, 4, 1], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="sums to 7, more than max_sum=6"):
+        az.quantize(x, az.SampleBits(b, 6))
+    with pytest.raises(ValueError, match=r"entries must be in \(1, 2, 4, 8\)"):
+        az.quantize(x, az.SampleBits(torch.tensor([2, 3, 1], dtype=torch.uint8), 10))
+    with pytest.raises(ValueError, match="3 entries but the tensor has 4 samples"):
+        az.quantize(torch.randn(4, 50), az.SampleBits(b, 7))
+    with pytest.raises(TypeError, match="1-d uint8"):
+        az.SampleBits(b.long(), 7)
+    with pytest.raises(ValueError, match="non-negative int"):
+        az.SampleBits(b, -1)
+
+
 @pytest.mark.parametrize("bits,limit", [(2, 1 / 15), (4, 1 / 7.5), (8, 1 / 3.8)])
 def test_storage_limits(bits, limit):
     x = torch.randn(64, 4096)

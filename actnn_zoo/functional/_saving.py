@@ -3,16 +3,15 @@ from __future__ import annotations
 
 from typing import List, Optional, Union
 
-import torch
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import QuantizedTensor, dequantize, quantize
+from ..quant import Bits, QuantizedTensor, dequantize, quantize
 
 Saved = Union[Tensor, QuantizedTensor, None]
 
 
-def compress(x: Tensor, qconfig: LayerQConfig, bits: Union[int, Tensor, None] = None
+def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None
              ) -> QuantizedTensor:
     """Quantize ``x`` as ``qconfig`` says (``bits`` overrides its width, e.g. per-sample)."""
     return quantize(x, qconfig.bits if bits is None else bits, qconfig.group_size,

@@ -13,17 +13,17 @@ the torch layers call, so they are bit-identical to them (also under autocast).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import pack_mask, unpack_mask
+from ..quant import Bits, pack_mask, unpack_mask
 from ._saving import compress, load, restore, save
 
-Bits = Union[int, Tensor, None]
+OptBits = Optional[Bits]
 
 __all__ = ["relu", "leaky_relu", "hardtanh", "relu6", "gelu", "silu", "sigmoid", "tanh", "elu",
            "softplus", "MaskActivationFunction", "DerivativeActivationFunction",
@@ -244,7 +244,7 @@ class DerivativeActivationFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, op: str, params: Tuple, qconfig: LayerQConfig, bits: Bits,
+    def forward(ctx, x: Tensor, op: str, params: Tuple, qconfig: LayerQConfig, bits: OptBits,
                 inplace: bool) -> Tensor:
         if op in ("sigmoid", "tanh"):
             out = _apply_op(op, x, params, inplace)
@@ -275,13 +275,13 @@ class DerivativeActivationFunction(torch.autograd.Function):
 
 
 def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConfig],
-                 bits: Bits, inplace: bool = False) -> Tensor:
+                 bits: OptBits, inplace: bool = False) -> Tensor:
     qconfig = LayerQConfig() if qconfig is None else qconfig
     return DerivativeActivationFunction.apply(x, op, params, qconfig, bits, inplace)
 
 
 def gelu(x: Tensor, approximate: str = "none", qconfig: Optional[LayerQConfig] = None,
-         bits: Bits = None) -> Tensor:
+         bits: OptBits = None) -> Tensor:
     """GELU ('none' or 'tanh') saving compressed GELU'(x)."""
     if approximate not in ("none", "tanh"):
         return F.gelu(x, approximate=approximate)  # raises torch's own error
@@ -289,29 +289,29 @@ def gelu(x: Tensor, approximate: str = "none", qconfig: Optional[LayerQConfig] =
 
 
 def silu(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
-         bits: Bits = None) -> Tensor:
+         bits: OptBits = None) -> Tensor:
     """SiLU saving compressed SiLU'(x) = s(x) (1 + x (1 - s(x)))."""
     return _deriv_apply("silu", x, (), qconfig, bits, inplace)
 
 
-def sigmoid(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+def sigmoid(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
     """Sigmoid saving compressed y (1 - y)."""
     return _deriv_apply("sigmoid", x, (), qconfig, bits)
 
 
-def tanh(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+def tanh(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
     """Tanh saving compressed 1 - y^2."""
     return _deriv_apply("tanh", x, (), qconfig, bits)
 
 
 def elu(x: Tensor, alpha: float = 1.0, inplace: bool = False,
-        qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+        qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
     """ELU saving compressed ELU'(x) (computed before an in-place update, so any alpha works
     in place, unlike torch's result-based in-place backward)."""
     return _deriv_apply("elu", x, (float(alpha),), qconfig, bits, inplace)
 
 
 def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0,
-             qconfig: Optional[LayerQConfig] = None, bits: Bits = None) -> Tensor:
+             qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
     """Softplus saving compressed Softplus'(x) (1 above the linear threshold, as torch)."""
     return _deriv_apply("softplus", x, (float(beta), float(threshold)), qconfig, bits)

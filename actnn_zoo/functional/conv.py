@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..config import LayerQConfig
+from ..quant import Bits
 from ._saving import compress, load, restore, save
 from .linear import cast, dtype_of, memory_format_of
 
@@ -119,7 +120,7 @@ class ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
-                qconfig: LayerQConfig, bits: Union[int, Tensor]) -> Tensor:
+                qconfig: LayerQConfig, bits: Bits) -> Tensor:
         out = spec.run(x, weight, bias)  # autocast applies here exactly as in the torch module
         need_w = ctx.needs_input_grad[1]
         ctx.spec = spec

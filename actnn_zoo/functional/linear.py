@@ -7,7 +7,7 @@ does not use the saved input at all and is exact.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..config import LayerQConfig
+from ..quant import Bits
 from ._saving import compress, load, restore, save
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,7 +68,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], qconfig: LayerQConfig,
-                bits: Union[int, Tensor]) -> Tensor:
+                bits: Bits) -> Tensor:
         out = F.linear(x, weight, bias)  # autocast applies here exactly as for nn.Linear
         need_w = ctx.needs_input_grad[1]
         ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))

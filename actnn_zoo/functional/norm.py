@@ -10,7 +10,7 @@ input), so it is only approximately unbiased.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +18,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..config import LayerQConfig
+from ..quant import Bits
 from ._saving import compress, load, restore, save
 from .linear import cast, dtype_of, memory_format_of
 
-Bits = Union[int, Tensor]
 
 
 def autocast_dtype(x: Tensor, probe: Callable[[Tensor], Tensor]) -> torch.dtype:

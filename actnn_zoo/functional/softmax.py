@@ -11,13 +11,14 @@ aligned with the exact gradient and that averaging reduces the error.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
+from ..quant import Bits
 from ._saving import compress, load, restore, save
 from .activation import no_double_backward
 
@@ -37,7 +38,7 @@ class SoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, dim: Optional[int], qconfig: LayerQConfig,
-                bits: Union[int, Tensor, None]) -> Tensor:
+                bits: Optional[Bits]) -> Tensor:
         y = F.softmax(x, dim)  # warns like torch when dim is None
         ctx.dim = softmax_dim(x.dim(), dim)
         ctx.in_dtype = x.dtype
@@ -59,6 +60,6 @@ class SoftmaxFunction(torch.autograd.Function):
 
 
 def softmax(x: Tensor, dim: Optional[int] = None, qconfig: Optional[LayerQConfig] = None,
-            bits: Union[int, Tensor, None] = None) -> Tensor:
+            bits: Optional[Bits] = None) -> Tensor:
     """Softmax along ``dim`` saving its output compressed as ``qconfig`` says."""
     return SoftmaxFunction.apply(x, dim, LayerQConfig() if qconfig is None else qconfig, bits)

@@ -7,8 +7,9 @@ import torch
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
+from ..quant import Bits, SampleBits
 
-_Q_ATTRS = ("qconfig", "sample_bits")
+_Q_ATTRS = ("qconfig", "sample_bits", "precision_stats")
 _COPIED = ("_parameters", "_buffers", "_modules")
 
 
@@ -31,12 +32,17 @@ class QModule:
     """Mixin for Q-layers. Subclasses list the torch class they replace in ``_FLOAT_MODULE``.
 
     ``qconfig`` holds bits/group size/rounding; ``sample_bits`` (set by a precision strategy,
-    None otherwise) gives one width per sample for the next training forward.
+    None otherwise) gives one width per sample for the next training forward (a uint8 tensor,
+    or :class:`~actnn_zoo.quant.SampleBits` whose host-side bound spares quantize a read-back);
+    ``precision_stats`` is where a precision strategy keeps what it observed on this layer
+    (:class:`actnn_zoo.precision.LayerStats`; None when no strategy watches the layer). Both
+    stay on the Q-layer: ``to_float`` does not copy them.
     """
 
     _FLOAT_MODULE: ClassVar[Type[nn.Module]]
     qconfig: LayerQConfig
-    sample_bits: Optional[Tensor]
+    sample_bits: Union[Tensor, SampleBits, None]
+    precision_stats: Optional[object]
 
     def _init_q(self, qconfig: Optional[LayerQConfig]) -> None:
         if qconfig is None:
@@ -45,12 +51,13 @@ class QModule:
             raise TypeError(f"qconfig must be a LayerQConfig, got {type(qconfig).__name__}")
         self.qconfig = qconfig
         self.sample_bits = None
+        self.precision_stats = None
 
     def quantizing(self) -> bool:
         """True when the next forward should save compressed tensors (training with grad)."""
         return self.training and self.qconfig.enabled and torch.is_grad_enabled()
 
-    def bits_for(self, x: Tensor) -> Union[int, Tensor]:
+    def bits_for(self, x: Tensor) -> Bits:
         """The width(s) for input ``x``: per-sample widths when they fit its batch, else bits."""
         sb = self.sample_bits
         if sb is not None and x.dim() > 1 and sb.shape[0] == x.shape[0]:

@@ -1,7 +1,8 @@
 """quantize / dequantize and mask packing: argument checks, then one backend call."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -20,6 +21,38 @@ def check_bits(bits: object, name: str = "bits") -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
         raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
     return bits
+
+
+@dataclass(frozen=True)
+class SampleBits:
+    """Per-sample widths plus a host-side bound on their sum.
+
+    With a plain bits tensor, :func:`quantize` must read the widths back to validate them and
+    to size its output (a device synchronisation on CUDA). A precision strategy knows the sum's
+    bound on the host, so with this wrapper quantize sizes the buffer from ``max_sum`` and reads
+    nothing back. ``bits``: (N,) uint8, every entry 1, 2, 4 or 8; ``max_sum`` >= bits.sum().
+    Both promises are checked on CPU (free there) and trusted on other devices, where the
+    kernels still clip every store to the buffer.
+    """
+
+    bits: Tensor
+    max_sum: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bits, Tensor) or self.bits.dtype != torch.uint8 \
+                or self.bits.dim() != 1:
+            raise TypeError("SampleBits.bits must be a 1-d uint8 tensor")
+        if isinstance(self.max_sum, bool) or not isinstance(self.max_sum, int) \
+                or self.max_sum < 0:
+            raise ValueError(f"SampleBits.max_sum must be a non-negative int, "
+                             f"got {self.max_sum!r}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.bits.shape
+
+
+Bits = Union[int, Tensor, SampleBits]
 
 
 def check_group_size(group_size: object, name: str = "group_size") -> int:
@@ -41,7 +74,14 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
 
 
-def _row_bits(bits: Union[int, Tensor], n: int, device: torch.device) -> tuple:
+def _row_bits(bits: Bits, n: int, device: torch.device) -> Tuple[Tensor, Optional[int]]:
+    if isinstance(bits, SampleBits):
+        if bits.bits.shape[0] != n:
+            raise ValueError(f"bits has {bits.bits.shape[0]} entries but the tensor has {n} "
+                             f"samples")
+        if bits.bits.device != device:
+            raise ValueError(f"bits is on {bits.bits.device}, the tensor on {device}")
+        return bits.bits, None
     if isinstance(bits, Tensor):
         if bits.dtype.is_floating_point or bits.dtype == torch.bool or bits.dim() != 1:
             raise TypeError(f"bits as a tensor must be a 1-d integer tensor, got {bits.dtype} "
@@ -56,11 +96,12 @@ def _row_bits(bits: Union[int, Tensor], n: int, device: torch.device) -> tuple:
     return torch.full((n,), b, dtype=torch.uint8, device=device), b
 
 
-def quantize(x: Tensor, bits: Union[int, Tensor] = 2, group_size: int = 256,
+def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
              seed: Optional[int] = None, rounding: str = "stochastic") -> QuantizedTensor:
     """Compress ``x`` to ``bits`` per value with per-group stochastic rounding.
 
-    ``bits`` is 1, 2, 4 or 8, or a 1-d integer tensor with one such width per sample (row).
+    ``bits`` is 1, 2, 4 or 8, or a 1-d integer tensor with one such width per sample (row),
+    or :class:`SampleBits` (per-sample widths that quantize does not read back).
     ``seed`` fixes the random rounding; by default it is drawn from torch's generator, so
     ``torch.manual_seed`` makes runs reproducible. The result dequantizes to an unbiased
     estimate of ``x`` (exactly unbiased up to the 2^-24 resolution of the random numbers).
@@ -88,7 +129,8 @@ def quantize(x: Tensor, bits: Union[int, Tensor] = 2, group_size: int = 256,
         lo = torch.empty(n, g, dtype=torch.bfloat16, device=x.device)
         step = torch.empty_like(lo)
     else:
-        total = int(offsets[-1]) if uniform is None else n * ((d * uniform + 7) // 8)
+        total = _capacity(bits, offsets, n, d) if uniform is None \
+            else n * ((d * uniform + 7) // 8)
         data, lo, step = kernels(x.device).quantize(
             rows.contiguous(), row_bits, offsets, total, group_size, seed & 0xFFFFFFFF,
             rounding == "stochastic")
@@ -96,6 +138,23 @@ def quantize(x: Tensor, bits: Union[int, Tensor] = 2, group_size: int = 256,
         return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
                                row_bits, offsets)
     return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size)
+
+
+def _capacity(bits: Bits, offsets: Tensor, n: int, d: int) -> int:
+    """Bytes for the packed rows of mixed widths. A tensor of widths: exactly offsets[-1] (read
+    back). SampleBits: sum_n ceil(d * b_n / 8) <= (d * max_sum + 7 n) / 8, from host ints."""
+    if not isinstance(bits, SampleBits):
+        return int(offsets[-1])
+    total = (d * bits.max_sum + 7 * n) // 8
+    if bits.bits.device.type == "cpu":  # the promises cost one small op to check here
+        counts = torch.bincount(bits.bits, minlength=9).tolist()
+        if sum(counts) != sum(counts[b] for b in SUPPORTED_BITS):
+            raise ValueError(f"SampleBits.bits entries must be in {SUPPORTED_BITS}")
+        used = sum(b * counts[b] for b in SUPPORTED_BITS)
+        if used > bits.max_sum:
+            raise ValueError(f"SampleBits.bits sums to {used}, more than max_sum="
+                             f"{bits.max_sum}")
+    return total
 
 
 def dequantize(q: QuantizedTensor) -> Tensor:

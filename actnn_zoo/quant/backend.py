@@ -18,7 +18,7 @@ import torch
 from . import reference
 
 _SOURCES = Path(__file__).resolve().parents[2] / "cpp_ext"
-CPU_SOURCES = ("quant_cpu.cpp", "bindings.cpp")
+CPU_SOURCES = ("quant_cpu.cpp", "widths_cpu.cpp", "bindings.cpp")
 CUDA_SOURCES = ("quant_cuda.cu",)
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-march=native"]
 NVCC_FLAGS = ["-O3", "--fmad=false"]

@@ -1,0 +1,314 @@
+"""Auto precision in the style of ActNN: ``bits`` is an average budget, spent per layer and per
+sample where stochastic-rounding noise would hurt the gradient most.
+
+Sensitivity of sample n of layer l (ActNN, section 4):
+``C = factor_l * S_l * R_ln`` with ``R_ln`` the sample's sum of squared group ranges of the
+tensor the layer compresses (``stats.range_statistic``), ``S_l`` the squared norm of the layer's
+output gradient per sample from an earlier backward, and ``factor_l = fan_l / D_l`` (fan: the
+weights each saved value multiplies in the weight gradient over ActNN's 4, e.g. kernel area x
+input channels per group / 4 for a conv; D: values per sample). Then ``C / (2^b - 1)^2`` is
+proportional to the weight-gradient variance the layer's compression adds; the widths
+minimise its sum under the budget.
+
+Two levels, both solved on the tensors' device (``solver``):
+
+* across layers, at step 2 and then every ``update_interval`` steps: the joint problem over
+  every (layer, sample) of the last recorded step, each sample weighted by the layer's size,
+  gives a real-valued average width per layer. These widths reach the host through one
+  non-blocking copy for all layers (``readback.DeferredRead``) and apply from the next step
+  on, so nothing waits for the device. Pinned layers (a config rule fixed their width)
+  are left out and their cost is taken off the budget first. Only conv / linear layers take
+  part (``LayerKind.modelled``): their noise reaches only their own weight gradient and C
+  predicts it within 2-3x (measured on a ResNet); norms, smooth activations and softmax
+  put their noise into the input gradient, where it propagates through every earlier layer.
+  ActNN's factor for them (BatchNorm: channels / D) mis-ranked them by up to ~30x on the same
+  ResNet: it sent BatchNorm inputs to 1 bit and, after 5 training steps, the weight-gradient
+  variance at a 2-bit average was 1.8x that of uniform 2 bits (development measurements). So
+  they get the plain budget. Until the first re-allocation applies (steps 1 and 2) every free
+  layer gets the budget itself;
+* within a layer, at every training forward: integer widths for the samples of THIS batch
+  under that layer's width x batch size (``solver.allocate_samples``), handed to the layer as
+  :class:`~actnn_zoo.quant.SampleBits` with that bound, so quantize sizes its buffer without
+  reading the widths back. Samples are ranked by ``R_n ** gamma``. ActNN's ``gamma = 1`` assumes a sample's gradient does not depend on its
+  range; in a classifier in training it falls with it (confident samples: wide activations,
+  tiny gradients), so gamma is refitted from the last recorded step (``_Watched.calibrate``).
+
+The realised average over all compressed values is then at most the budget. Exception: until
+the first re-allocation applies (steps 1 and 2) every free layer uses the budget itself, so
+pinned layers wider than the budget are not yet compensated.
+
+Hooks: a forward pre-hook on the model root counts steps and re-allocates across layers; on
+each watched Q-layer a forward pre-hook computes the statistic and sets ``sample_bits``, and a
+forward hook puts a tensor hook on the output that records the output gradient's per-sample
+norms during backward (only on steps whose statistics the next re-allocation reads). Every
+hook is a bound method of an object owned by this strategy, so ``copy.deepcopy(model)`` gives
+an independent copy. State lives on the strategy (``model.actnn_zoo_precision``) and on the
+layers (``module.precision_stats``); none is global.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..quant import SampleBits
+from .base import PrecisionStrategy, TrackedLayer
+from .readback import DeferredRead
+from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
+from .stats import LayerKind, LayerStats, layer_kind, range_statistic, sample_grad_sq
+
+__all__ = ["ActNNStrategy"]
+
+_LADDER = (1.0, 2.0, 4.0, 8.0)
+
+
+class _Watched:
+    """Hooks and state for one Q-layer (the strategy owns it; hooks are its bound methods)."""
+
+    def __init__(self, strategy: "ActNNStrategy", name: str, module: nn.Module,
+                 kind: LayerKind, pinned_bits: Optional[int]) -> None:
+        self.strategy = strategy
+        self.name = name
+        self.module = module
+        self.kind = kind
+        self.pinned_bits = pinned_bits
+        self.stats = LayerStats()
+        self.budget: float = strategy.budget  # average width for the next forwards
+        self.active = False  # this forward compressed with widths chosen here
+        self.fan = 1.0  # op factor x values per sample, from the last forward's shapes
+        # gamma of the within-layer sensitivity model E[C_n | R_n] ~ R_n ** gamma (None: 1)
+        self.exponent: Optional[Tensor] = None
+        self._tables: Dict[torch.device, UpgradeTable] = {}
+
+    def table(self, device: torch.device) -> UpgradeTable:
+        t = self._tables.get(device)
+        if t is None:
+            t = self._tables[device] = UpgradeTable.build(device)
+        return t
+
+    # -- hooks ----------------------------------------------------------------------------
+    def pre_hook(self, module: nn.Module, args: Tuple) -> None:
+        """Before the layer runs: record sizes; choose this batch's per-sample widths."""
+        self.active = False
+        x = args[0] if args else None
+        if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
+            # eval / no_grad: nothing is compressed; keep the last training statistics
+            if self.pinned_bits is None:
+                module.sample_bits = None  # type: ignore[attr-defined]
+            return
+        with torch.no_grad():  # statistics are not part of the model's graph
+            self._choose(module, x)
+
+    def _choose(self, module: nn.Module, x: Tensor) -> None:
+        if x.numel() == 0 or not self.kind.compresses(module, x):
+            self._clear(module)
+            return
+        rows = self.kind.batched(module, x)
+        if rows.dim() <= 1:  # one row; the layer uses qconfig.bits (<= the budget)
+            self._clear(module)
+            return
+        n = rows.shape[0]
+        self.stats.samples, self.stats.numel = n, rows.numel() // n
+        if self.pinned_bits is not None:
+            return
+        budget = self.budget
+        if not self.kind.modelled and budget in _LADDER:
+            # No sensitivity model, and the plain budget is a width: every sample gets it.
+            width = int(budget)
+            if width == module.qconfig.bits:  # type: ignore[attr-defined]
+                module.sample_bits = self.stats.bits = None  # type: ignore[attr-defined]
+            else:
+                full = torch.full((n,), width, dtype=torch.uint8, device=x.device)
+                module.sample_bits = SampleBits(full, width * n)  # type: ignore[attr-defined]
+                self.stats.bits = full
+            return
+        self.fan = self.kind.fan(module, rows)
+        score = range_statistic(self.kind.saved(module, rows),
+                                module.qconfig.group_size)  # type: ignore[attr-defined]
+        expected = score if self.exponent is None else score.pow(self.exponent)
+        extra = extra_bits(budget, n)  # host number: budget is a host float
+        bits = allocate_samples(expected, budget, self.table(score.device), extra)
+        self.stats.range_sq, self.stats.bits = score, bits
+        # plain attribute (not a buffer): skip nn.Module.__setattr__'s bookkeeping
+        object.__setattr__(module, "sample_bits", SampleBits(bits, n + int(extra)))
+        self.active = True
+
+    def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
+        """After the layer runs: have the output's gradient measured, when it will be read."""
+        if (self.active and self.strategy.record_grads and isinstance(output, Tensor)
+                and output.requires_grad):
+            output.register_hook(self.grad_hook)
+
+    def grad_hook(self, grad: Tensor) -> None:
+        per_sample = sample_grad_sq(grad, self.stats.samples)
+        self.stats.sample_grad_sq = per_sample
+        self.stats.grad_sq = per_sample.mean()
+
+    def _clear(self, module: nn.Module) -> None:
+        self.stats.samples = self.stats.numel = 0
+        self.stats.bits = None
+        if self.pinned_bits is None:
+            module.sample_bits = None  # type: ignore[attr-defined]
+
+    # -- sensitivity ----------------------------------------------------------------------
+    def factor(self) -> float:
+        """The op factor fan / D of the last forward (host float, from shapes)."""
+        return self.fan / max(self.stats.numel, 1)
+
+    def calibrate(self, device: torch.device) -> Optional[Tensor]:
+        """float64 (N,) sensitivities C_n of the last recorded step's samples, and refit the
+        exponent the within-layer allocation uses; None without matching statistics.
+
+        C_n = factor * R_n * S with one S per layer (ActNN) assumes a sample's gradient does
+        not depend on its range. In a trained classifier it does, inversely: confident samples
+        have wide activations and tiny gradients. So fit log g_n^2 = a + beta log R_n on the
+        last step's samples (g_n^2: that sample's squared output gradient) and rank the next
+        batch by E[R_n g_n^2 | R_n] ~ R_n ** gamma, gamma = 1 + beta clipped to [0, 1] (a wider
+        sample never gets fewer bits). The layer's total sensitivity keeps its measured value,
+        factor * sum_n R_n g_n^2.
+        """
+        st = self.stats
+        if (st.range_sq is None or st.sample_grad_sq is None
+                or st.range_sq.shape != st.sample_grad_sq.shape):
+            return None
+        r = st.range_sq.to(device, torch.float64)
+        g = st.sample_grad_sq.to(device, torch.float64)
+        lr, lg = r.clamp_min(1e-30).log(), g.clamp_min(1e-30).log()
+        lr, lg = lr - lr.mean(), lg - lg.mean()
+        beta = (lr * lg).mean() / (lr * lr).mean().clamp_min(1e-6)
+        gamma = (1.0 + beta).clamp(0.0, 1.0)
+        self.exponent = gamma.to(st.range_sq.device, torch.float32)
+        expected = r.pow(gamma)
+        total = (r * g).sum() * self.factor()
+        return expected * (total / expected.sum().clamp_min(1e-300))
+
+
+class ActNNStrategy(PrecisionStrategy):
+    """``strategy: actnn`` -- per-layer and per-sample widths from gradients (module doc)."""
+
+    name = "actnn"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.budget = float(config.bits)
+        self.update_interval = int(config.update_interval)
+        self.step = 0  # training forwards of the model root seen so far
+        self.updates = 0  # re-allocations applied so far
+        self.record_grads = True
+        # a re-allocation on its way to the host: (free layers, their widths, read later)
+        self._pending: Optional[Tuple[List[_Watched], float, List[_Watched],
+                                      Optional[DeferredRead]]] = None
+        self.watched: List[_Watched] = []
+        self._warned = False
+        self._tables: Dict[torch.device, UpgradeTable] = {}
+
+    def _table(self, device: torch.device) -> UpgradeTable:
+        """float64 solver constants on ``device``, built once (no host copy per update)."""
+        t = self._tables.get(device)
+        if t is None:
+            t = self._tables[device] = UpgradeTable.build(device, torch.float64)
+        return t
+
+    # -- attach / detach ------------------------------------------------------------------
+    def attach(self, model: nn.Module, layers: Sequence[TrackedLayer]) -> None:
+        super().attach(model, layers)
+        for tl in self.layers:
+            kind = layer_kind(tl.module)
+            if kind is None:
+                continue
+            w = _Watched(self, tl.name, tl.module, kind, tl.pinned_bits)
+            tl.module.precision_stats = w.stats
+            tl.module.sample_bits = None
+            self._keep(tl.module.register_forward_pre_hook(w.pre_hook))
+            if tl.pinned_bits is None:
+                self._keep(tl.module.register_forward_hook(w.post_hook))
+            self.watched.append(w)
+        if self.watched:  # prepended: runs before a watched root layer's own pre-hook
+            self._keep(model.register_forward_pre_hook(self.on_model_forward, prepend=True))
+
+    def detach(self) -> None:
+        super().detach()
+        self.watched = []
+        self._pending = None
+
+    # -- per step -------------------------------------------------------------------------
+    def on_model_forward(self, model: nn.Module, args: Tuple) -> None:
+        """Count training steps; apply the last re-allocation; re-allocate across layers at
+        step 2 and every ``update_interval`` steps after (applied at the next step); ask for
+        gradient statistics on the steps before those."""
+        if not (model.training and torch.is_grad_enabled()):
+            return
+        self.step += 1
+        if self._pending is not None:
+            self._apply(*self._pending)
+            self._pending = None
+        k = self.update_interval
+        if self.step == 2 or (self.step > 1 and (self.step - 1) % k == 0):
+            self.reallocate()
+        self.record_grads = self.step == 1 or self.step % k == 0
+
+    def reallocate(self) -> None:
+        """Per-layer average widths from the statistics of the last forward / backward; they
+        apply from the next training step (:meth:`on_model_forward`)."""
+        seen = [w for w in self.watched if w.stats.numel > 0]
+        free = [w for w in seen if w.pinned_bits is None]
+        total = sum(w.stats.numel * w.stats.samples for w in seen)
+        free_values = sum(w.stats.numel * w.stats.samples for w in free)
+        if not free_values:
+            return
+        pinned_cost = sum(w.pinned_bits * w.stats.numel * w.stats.samples
+                          for w in seen if w.pinned_bits is not None)
+        b_free = (self.budget * total - pinned_cost) / free_values
+        if b_free < 1.0 and not self._warned:
+            self._warned = True
+            warnings.warn(f"actnn_zoo: layers pinned by rules use more than the {self.budget}-bit "
+                          f"budget allows; the other layers get 1 bit, and the average exceeds "
+                          f"the budget", UserWarning, stacklevel=2)
+        b_free = min(max(b_free, 1.0), 8.0)
+        ready = [w for w in free if w.stats.grad_sq is not None and w.stats.range_sq is not None
+                 and w.stats.range_sq.shape[0] == w.stats.samples]
+        if not ready:
+            self._pending = (self._free(), b_free, [], None)
+            return
+        device = ready[0].stats.range_sq.device  # type: ignore[union-attr]
+        scores, weights, joint = [], [], []
+        for w in ready:
+            c = w.calibrate(device)
+            if not w.kind.modelled:
+                continue
+            if c is None:  # no per-sample gradients: ActNN's C = factor * R_n * S
+                r = w.stats.range_sq.to(device, torch.float64)  # type: ignore[union-attr]
+                c = r * (w.stats.grad_sq.to(device, torch.float64)  # type: ignore[union-attr]
+                         * w.factor())
+            joint.append(w)
+            scores.append(c)
+            weights.append(torch.full((w.stats.samples,), float(w.stats.numel),
+                                      dtype=torch.float64, device=device))
+        if not joint:
+            self._pending = (self._free(), b_free, [], None)
+            return
+        widths = allocate_weighted(torch.cat(scores), torch.cat(weights), b_free,
+                                   self._table(device))
+        means = torch.stack([part.mean() for part in
+                             torch.split(widths, [w.stats.samples for w in joint])])
+        self._pending = (self._free(), b_free, joint, DeferredRead(means))
+
+    def _free(self) -> List[_Watched]:
+        return [w for w in self.watched if w.pinned_bits is None]
+
+    def _apply(self, free: List[_Watched], b_free: float, joint: List[_Watched],
+               widths: Optional[DeferredRead]) -> None:
+        """Set the budgets a re-allocation chose: ``b_free`` for every free layer, the solved
+        widths for the ``joint`` ones."""
+        for w in free:
+            w.budget = b_free
+        if widths is not None:
+            for w, b in zip(joint, widths.read()):
+                w.budget = min(max(b, 1.0), 8.0)
+        self.updates += 1
+
+    def layer_budgets(self) -> Dict[str, float]:
+        """name -> the average width each free layer's next forward may use."""
+        return {w.name: w.budget for w in self.watched if w.pinned_bits is None}

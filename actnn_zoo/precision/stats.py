@@ -1,0 +1,244 @@
+"""What a precision strategy observes on a Q-layer, and how to observe it without touching the
+layers: which tensor each layer compresses, its per-sample range statistic, the op's factor.
+
+The per-sample statistic is ``sum over groups g of len_g * range_g^2`` of the tensor the layer
+compresses (row n = sample n, groups of ``group_size`` as in the quantization contract). The
+stochastic-rounding variance of a value in group g at b bits is at most
+``(range_g / (2^b - 1))^2 / 4``, so the statistic divided by (2^b - 1)^2 is proportional to the
+bound on the sample's total quantization variance.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..functional.activation import activation_derivative
+from ..functional.softmax import softmax_dim
+from ..nn import activation as qact
+from ..nn import conv as qconv
+from ..nn import norm as qnorm
+from ..nn.linear import QLinear
+from ..nn.softmax import QSoftmax
+from ..quant.api import as_rows
+from ..quant.backend import extension
+
+__all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq"]
+
+
+@dataclass
+class LayerStats:
+    """Observations of one Q-layer, kept on ``module.precision_stats``.
+
+    ``numel`` and ``samples``: values per sample and samples compressed by the last training
+    forward (host ints, from shapes; 0 before the first). ``range_sq``: (samples,) float32
+    per-sample statistic of that forward, on the layer's device. ``grad_sq``: 0-d tensor, the
+    squared norm of the layer's output gradient per sample from the last recorded backward,
+    ``sample_grad_sq`` (samples,) the same for each sample.
+    ``bits``: the (samples,) widths the strategy chose for that forward (None when the layer
+    used its ``qconfig.bits``).
+    """
+
+    numel: int = 0
+    samples: int = 0
+    range_sq: Optional[Tensor] = None
+    grad_sq: Optional[Tensor] = None
+    sample_grad_sq: Optional[Tensor] = None
+    bits: Optional[Tensor] = None
+
+
+def range_statistic(t: Tensor, group_size: int) -> Tensor:
+    """(N,) float32: per sample, ``sum_g len_g * (max_g - min_g)^2`` over its groups.
+
+    Groups holding NaN/Inf count 0: they dequantize to NaN whatever their width. On the CPU one
+    pass of the compiled extension (``cpp_ext/widths_cpu.cpp``; equal up to float rounding),
+    elsewhere two torch reductions.
+    """
+    rows = as_rows(t.detach())
+    ext = extension() if rows.device.type == "cpu" and rows.is_contiguous() else None
+    kernel = getattr(ext, "range_statistic", None)  # None too for a build older than this file
+    if kernel is not None and rows.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return kernel(rows, group_size)
+    return _range_statistic_torch(rows, group_size)
+
+
+def _range_statistic_torch(rows: Tensor, group_size: int) -> Tensor:
+    """:func:`range_statistic` of (N, D) rows as torch reductions (any device)."""
+    n, d = rows.shape
+    full = d - d % group_size
+    out: Optional[Tensor] = None
+    if full:
+        groups = (rows if full == d else rows[:, :full]).reshape(n, full // group_size,
+                                                                 group_size)
+        out = _squared_ranges(groups).sum(1).mul_(float(group_size))
+    if full < d:
+        tail = _squared_ranges(rows[:, full:]).mul_(float(d - full))
+        out = tail if out is None else out.add_(tail)
+    assert out is not None
+    return out
+
+
+def _squared_ranges(x: Tensor) -> Tensor:
+    """(max - min)^2 over the last dim, float32, non-finite -> 0."""
+    # amax and amin, not aminmax: on CPU the fused kernel does not vectorise (16x slower).
+    r = x.amax(-1) - x.amin(-1)
+    r = r.float().square_() if r.dtype != torch.float32 else r.square_()
+    return torch.nan_to_num_(r, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def sample_grad_sq(grad: Tensor, samples: int) -> Tensor:
+    """(samples,) float32: each sample's squared output-gradient norm (one entry, the whole
+    norm, when the output has no batch dim of that size). Stays on grad's device."""
+    g = grad.detach()
+    if samples > 1 and g.dim() > 0 and g.shape[0] == samples:
+        return torch.linalg.vector_norm(g.reshape(samples, -1), dim=1,
+                                        dtype=torch.float32).square()
+    return torch.linalg.vector_norm(g, dtype=torch.float32).square().reshape(1).expand(
+        max(samples, 1)) / max(samples, 1)
+
+
+# ----------------------------------------------------------------------------- layer kinds
+def _conv_batched(mod: nn.Module, x: Tensor) -> Tensor:
+    """Convs compress an unbatched input as a batch of one (nn/conv.py's _run)."""
+    return x.unsqueeze(0) if x.dim() == mod._DIMS + 1 else x  # type: ignore[attr-defined]
+
+
+def _conv_fan(mod: nn.Module, rows: Tensor) -> float:
+    """Weights each input value meets in the weight gradient, kernel area x input channels per
+    group (transposed: divided by the stride's area), over ActNN's 4."""
+    fan = math.prod(mod.kernel_size) * mod.in_channels / mod.groups  # type: ignore[attr-defined]
+    if isinstance(mod, qconv._QConvTransposeNd):
+        fan /= math.prod(mod.stride)  # type: ignore[attr-defined]
+    return float(fan) / 4.0
+
+
+def _linear_fan(mod: nn.Module, rows: Tensor) -> float:
+    return float(mod.in_features) / 4.0  # type: ignore[attr-defined]
+
+
+def _norm_fan(mod: nn.Module, rows: Tensor) -> float:
+    """Channels (BatchNorm, GroupNorm) or normalised features (LayerNorm), as ActNN weighs
+    BatchNorm: their noise reaches the earlier layers' weight gradients through grad_input."""
+    if isinstance(mod, qnorm.QLayerNorm):
+        return float(math.prod(mod.normalized_shape))
+    if isinstance(mod, qnorm.QGroupNorm):
+        return float(mod.num_channels)
+    return float(mod.num_features)  # type: ignore[attr-defined]
+
+
+def _feature_fan(mod: nn.Module, rows: Tensor) -> float:
+    """Elementwise activations, by analogy with norms: the feature size (dim 1 of 4-d/5-d
+    conv activations, the last dim otherwise)."""
+    if rows.dim() <= 1:
+        return 1.0
+    return float(rows.shape[1] if rows.dim() >= 4 else rows.shape[-1])
+
+
+def _softmax_fan(mod: nn.Module, rows: Tensor) -> float:
+    """The normalised dim's size (softmax mixes the gradient along it)."""
+    if rows.dim() == 0:
+        return 1.0
+    return float(rows.shape[softmax_dim(rows.dim(), mod.dim)])  # type: ignore[attr-defined]
+
+
+def _weight_trains(mod: nn.Module, x: Tensor) -> bool:
+    """conv / linear compress their input only when the weight needs a gradient."""
+    return bool(mod.weight.requires_grad)  # type: ignore[attr-defined]
+
+
+def _input_or_affine_trains(mod: nn.Module, x: Tensor) -> bool:
+    """Norms read the input back for the input gradient or the weight gradient."""
+    w = getattr(mod, "weight", None)
+    return x.requires_grad or (w is not None and w.requires_grad)
+
+
+def _input_trains(mod: nn.Module, x: Tensor) -> bool:
+    return x.requires_grad
+
+
+def _uses_function(mod: nn.Module, x: Tensor) -> bool:
+    """Mirror of nn/linear.py's use_function without its checks: something needs a grad."""
+    params = (getattr(mod, "weight", None), getattr(mod, "bias", None))
+    return x.requires_grad or any(p is not None and p.requires_grad for p in params)
+
+
+_DERIV = {
+    qact.QGELU: ("gelu", lambda m: (m.approximate,)),
+    qact.QSiLU: ("silu", lambda m: ()),
+    qact.QSigmoid: ("sigmoid", lambda m: ()),
+    qact.QTanh: ("tanh", lambda m: ()),
+    qact.QELU: ("elu", lambda m: (m.alpha,)),
+    qact.QSoftplus: ("softplus", lambda m: (m.beta, m.threshold)),
+}
+
+
+def _derivative(mod: nn.Module, x: Tensor) -> Tensor:
+    """f'(x), the tensor derivative activations compress (same formulas as the Function)."""
+    op, params = _DERIV[type(mod)]
+    y = None
+    if op == "sigmoid":
+        y = torch.sigmoid(x)
+    elif op == "tanh":
+        y = torch.tanh(x)
+    return activation_derivative(op, x, y, params(mod))
+
+
+def _softmax_out(mod: nn.Module, x: Tensor) -> Tensor:
+    return F.softmax(x, softmax_dim(x.dim(), mod.dim))  # type: ignore[attr-defined]
+
+
+def _identity(mod: nn.Module, x: Tensor) -> Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """How one family of Q-layers compresses. ``batched(mod, x)``: the input as the Function
+    sees it (rows = samples); ``saved(mod, rows)``: the tensor it compresses;
+    ``compresses(mod, x)``: whether a training forward compresses at all; ``fan(mod, rows)``:
+    the op factor times values per sample (``C = fan / D * S * R``, see ``actnn.py``);
+    ``modelled``: the saved tensor only enters the layer's own weight gradient (conv, linear),
+    where C predicts the variance it adds (within 2-3x, measured); for the other kinds the
+    noise enters the input gradient and propagates through every earlier layer, which no
+    local statistic predicts reliably (``actnn.py`` then gives them the plain budget)."""
+
+    name: str
+    batched: Callable[[nn.Module, Tensor], Tensor]
+    saved: Callable[[nn.Module, Tensor], Tensor]
+    compresses: Callable[[nn.Module, Tensor], bool]
+    fan: Callable[[nn.Module, Tensor], float]
+    modelled: bool = False
+
+
+def _weight_fn(m: nn.Module, x: Tensor) -> bool:
+    return _uses_function(m, x) and _weight_trains(m, x)
+
+
+def _norm_fn(m: nn.Module, x: Tensor) -> bool:
+    return _uses_function(m, x) and _input_or_affine_trains(m, x)
+
+
+_CONV = LayerKind("conv", _conv_batched, _identity, _weight_fn, _conv_fan, modelled=True)
+_LINEAR = LayerKind("linear", _identity, _identity, _weight_fn, _linear_fan, modelled=True)
+_NORM = LayerKind("norm", _identity, _identity, _norm_fn, _norm_fan)
+_ACT = LayerKind("derivative", _identity, _derivative, _input_trains, _feature_fan)
+_SOFTMAX = LayerKind("softmax", _identity, _softmax_out, _input_trains, _softmax_fan)
+
+_KINDS: Tuple[Tuple[type, LayerKind], ...] = (
+    (qconv._QConvNd, _CONV), (qconv._QConvTransposeNd, _CONV), (QLinear, _LINEAR),
+    (qnorm._QBatchNorm, _NORM), (qnorm.QLayerNorm, _NORM), (qnorm.QGroupNorm, _NORM),
+    *((cls, _ACT) for cls in _DERIV), (QSoftmax, _SOFTMAX),
+)
+
+
+def layer_kind(module: nn.Module) -> Optional[LayerKind]:
+    """The kind of a Q-layer whose Function compresses a tensor with the qconfig's width
+    (``module.bits_for``), or None (masks, pooling indices, shape-only layers)."""
+    for cls, kind in _KINDS:
+        if isinstance(module, cls):
+            return kind
+    return None
