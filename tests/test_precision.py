@@ -585,3 +585,51 @@ def test_unbatched_and_frozen_layers():
     lin.weight.requires_grad_(False)
     lin(torch.randn(4, 8, requires_grad=True)).sum().backward()  # nothing compressed
     assert lin.sample_bits is None and lin.precision_stats.numel == 0
+
+
+class Checkpointed(nn.Module):
+    """A block run under torch.utils.checkpoint: its forward (and pre-hooks) run twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.utils.checkpoint.checkpoint(self.block, self.stem(x), use_reentrant=False)
+        return self.fc(x.mean((2, 3)))
+
+
+def test_checkpointing_batch_changes_autocast_and_accumulation(monkeypatch):
+    """Recomputation, batches of 7 and 1, channels_last, bf16 autocast, an eval forward and two
+    accumulated backwards: every step trains, counts once, and stays within the budget."""
+    torch.manual_seed(0)
+    model = az.convert_model(Checkpointed(), strategy="actnn", bits=1.5)
+    spy = Spy(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, n in enumerate([16, 16, 16, 7, 16, 1, 16]):
+        x, y = torch.randn(n, 3, 8, 8), torch.randint(0, 10, (n,))
+        if i == 4:
+            x = x.to(memory_format=torch.channels_last)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i == 2):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+        opt.step()
+        calls = spy.take()
+        # stem, the block's first pass (its saved tensors are dropped), fc, the block again
+        # (recomputed in backward: these are kept)
+        assert [c[0] for c in calls] == [n * 192, n * 512, n * 512, n * 8, n * 512, n * 512]
+        kept = [calls[0], calls[3], calls[4], calls[5]]
+        if i >= 2:  # from step 3 the re-allocation applies
+            assert average_bits(kept) <= 1.5 + 1e-9
+        if i == 3:
+            model.eval()
+            model(torch.randn(4, 3, 8, 8))
+            model.train()
+    for _ in range(2):  # gradient accumulation: two forwards count as two steps
+        F.cross_entropy(model(torch.randn(8, 3, 8, 8)), torch.randint(0, 10, (8,))).backward()
+    strategy = precision_strategy(model)
+    assert strategy.step == 9 and strategy.updates == 7
+    assert all(1.0 <= b <= 8.0 for b in strategy.layer_budgets().values())
