@@ -5,9 +5,9 @@ from .convert import (conversion_report, convert_model, precision_strategy, regi
                       restore_model)
 from .nn import *  # noqa: F401,F403  (every Q-layer is importable from actnn_zoo)
 from .nn import __all__ as _layers
-from .quant import QuantizedTensor, SampleBits, backend_name, dequantize, quantize
+from .quant import QuantizedTensor, backend_name, dequantize, quantize
 
 __all__ = ["convert_model", "restore_model", "register_mapping", "conversion_report",
-           "precision_strategy", "QuantConfig", "LayerQConfig", "QuantizedTensor", "SampleBits",
+           "precision_strategy", "QuantConfig", "LayerQConfig", "QuantizedTensor",
            "quantize", "dequantize", "backend_name", *_layers]
 __version__ = "0.1.0"

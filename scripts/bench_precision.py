@@ -38,6 +38,7 @@ import actnn_zoo as az  # noqa: E402
 from actnn_zoo.convert import precision_strategy  # noqa: E402
 from actnn_zoo.data import iterate_minibatches, load_digits_data  # noqa: E402
 from actnn_zoo.models import DigitsResNet  # noqa: E402
+from actnn_zoo.quant import SampleBits  # noqa: E402
 
 CONFIGS = {
     "uniform 2": {"strategy": "uniform", "bits": 2},
@@ -157,7 +158,7 @@ def variance_report(train_steps: List[int], passes: int, seed: int) -> None:
 
 def _two_bits_per_sample(mod: nn.Module, args: Tuple) -> None:
     n = args[0].shape[0]
-    mod.sample_bits = az.SampleBits(torch.full((n,), 2, dtype=torch.uint8), 2 * n)
+    mod.sample_bits = SampleBits(torch.full((n,), 2, dtype=torch.uint8), 2 * n)
 
 
 def overhead_report(steps: int, batch: int, seed: int, interval: int) -> None:

@@ -31,6 +31,7 @@ if _C is None or not getattr(_C, "has_cuda", False):
 
 import actnn_zoo as az  # noqa: E402
 from actnn_zoo.quant import reference as R  # noqa: E402
+from actnn_zoo.quant import SampleBits  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -514,7 +515,7 @@ def test_auto_precision_steps_do_not_synchronise():
     strategy = az.precision_strategy(model)
     assert strategy.step == 4 and strategy.updates == 2
     widths = model[0].sample_bits
-    assert isinstance(widths, az.SampleBits) and widths.bits.device.type == "cuda"
+    assert isinstance(widths, SampleBits) and widths.bits.device.type == "cuda"
     assert int(widths.bits.sum()) <= widths.max_sum
     q = az.quantize(x, widths, group_size=64, seed=5)
     plain = az.quantize(x, widths.bits, group_size=64, seed=5)

@@ -27,6 +27,7 @@ from actnn_zoo.precision import (STRATEGY_CLASSES, ActNNStrategy, UniformStrateg
 from actnn_zoo.precision.solver import _allocate_samples_torch, extra_bits
 from actnn_zoo.precision.stats import _range_statistic_torch
 from actnn_zoo.quant.backend import extension
+from actnn_zoo.quant import SampleBits
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISION_DIR = ROOT / "actnn_zoo" / "precision"
@@ -524,7 +525,7 @@ def test_quantize_with_sample_bits_reads_nothing_back_off_cpu():
     from actnn_zoo.quant.api import _capacity, _row_bits
     from actnn_zoo.quant.reference import row_offsets
     meta = torch.device("meta")
-    widths = az.SampleBits(torch.empty(6, dtype=torch.uint8, device=meta), 15)
+    widths = SampleBits(torch.empty(6, dtype=torch.uint8, device=meta), 15)
     row_bits, uniform = _row_bits(widths, 6, meta)
     assert row_bits is widths.bits and uniform is None
     assert _capacity(widths, row_offsets(100, row_bits), 6, 100) == (100 * 15 + 7 * 6) // 8

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import actnn_zoo as az
-from actnn_zoo.quant import pack_mask, unpack_mask
+from actnn_zoo.quant import SampleBits, pack_mask, unpack_mask
 from actnn_zoo.quant import reference as ref
 
 BITS = (1, 2, 4, 8)
@@ -167,7 +167,7 @@ def test_sample_bits_reads_nothing_back_and_matches_a_widths_tensor(widths, d, s
     x = torch.randn(len(widths), d, generator=g)
     b = torch.tensor(widths, dtype=torch.uint8)
     plain = az.quantize(x, b, group_size=64, seed=seed)
-    bound = az.quantize(x, az.SampleBits(b, sum(widths) + spare), group_size=64, seed=seed)
+    bound = az.quantize(x, SampleBits(b, sum(widths) + spare), group_size=64, seed=seed)
     used = plain.data.numel()
     assert bound.data.numel() == (d * (sum(widths) + spare) + 7 * len(widths)) // 8 >= used
     assert torch.equal(bound.data[:used], plain.data)
@@ -182,15 +182,15 @@ def test_sample_bits_promises_are_checked_on_cpu():
     x = torch.randn(3, 50)
     b = torch.tensor([2, 4, 1], dtype=torch.uint8)
     with pytest.raises(ValueError, match="sums to 7, more than max_sum=6"):
-        az.quantize(x, az.SampleBits(b, 6))
+        az.quantize(x, SampleBits(b, 6))
     with pytest.raises(ValueError, match=r"entries must be in \(1, 2, 4, 8\)"):
-        az.quantize(x, az.SampleBits(torch.tensor([2, 3, 1], dtype=torch.uint8), 10))
+        az.quantize(x, SampleBits(torch.tensor([2, 3, 1], dtype=torch.uint8), 10))
     with pytest.raises(ValueError, match="3 entries but the tensor has 4 samples"):
-        az.quantize(torch.randn(4, 50), az.SampleBits(b, 7))
+        az.quantize(torch.randn(4, 50), SampleBits(b, 7))
     with pytest.raises(TypeError, match="1-d uint8"):
-        az.SampleBits(b.long(), 7)
+        SampleBits(b.long(), 7)
     with pytest.raises(ValueError, match="non-negative int"):
-        az.SampleBits(b, -1)
+        SampleBits(b, -1)
 
 
 @pytest.mark.parametrize("bits,limit", [(2, 1 / 15), (4, 1 / 7.5), (8, 1 / 3.8)])
