@@ -91,6 +91,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ bench ----
+def _ratio(reference: Optional[float], value: Optional[float]) -> Optional[float]:
+    """reference / value (how many times smaller than fp32), None when either is unknown."""
+    return reference / value if reference and value else None
+
+
 def bench_rows(models: Sequence[str], bits_list: Sequence[int], strategy: Optional[str],
                config: Any, batch: Optional[int], peak: bool, checkpoint: bool,
                model_kwargs: Dict[str, Any], device: str, bits_strategy: Optional[str] =
@@ -138,8 +143,7 @@ def bench_rows(models: Sequence[str], bits_list: Sequence[int], strategy: Option
                            dtypes=rep.dtypes)
                 if label == "fp32":
                     ref_saved = rep.total_bytes
-                row["saved_ratio"] = (ref_saved / rep.total_bytes
-                                      if ref_saved and rep.total_bytes else None)
+                row["saved_ratio"] = _ratio(ref_saved, rep.total_bytes)
             except Exception as exc:  # unknown strategy, unsupported layer: report, go on
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 rows.append(row)
@@ -152,8 +156,7 @@ def bench_rows(models: Sequence[str], bits_list: Sequence[int], strategy: Option
                                step_seconds=pr.step_seconds)
                     if label == "fp32":
                         ref_peak = pr.delta_bytes
-                    row["peak_ratio"] = (ref_peak / pr.delta_bytes
-                                         if ref_peak and pr.delta_bytes else None)
+                    row["peak_ratio"] = _ratio(ref_peak, pr.delta_bytes)
                 else:
                     row["peak_error"] = pr.error
             rows.append(row)

@@ -27,6 +27,13 @@ STYLE = {"fp32": dict(color="black", marker="o"), "checkpoint": dict(color="tab:
                                                                      marker="s")}
 
 
+def _save(fig: "plt.Figure", path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _load(path: Path) -> Optional[Dict[str, Any]]:
     if not path.exists():
         print(f"skip: {path} not found")
@@ -58,11 +65,7 @@ def peak_vs_batch(data: Dict[str, Any], out: Path) -> Optional[Path]:
     ax.set_title(f"{sweep[0]['model']}: peak memory vs batch size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    path = out / "peak_memory_vs_batch.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "peak_memory_vs_batch.png")
 
 
 def compression(data: Dict[str, Any], out: Path) -> Optional[Path]:
@@ -82,11 +85,7 @@ def compression(data: Dict[str, Any], out: Path) -> Optional[Path]:
     ax.set_title("compression of what is saved for backward")
     ax.axhline(1, color="gray", lw=0.8)
     ax.legend(fontsize=8)
-    path = out / "compression.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "compression.png")
 
 
 def throughput_vs_batch(data: Dict[str, Any], out: Path) -> Optional[Path]:
@@ -109,11 +108,7 @@ def throughput_vs_batch(data: Dict[str, Any], out: Path) -> Optional[Path]:
         ax.set_title(f"{model}: throughput (threads {data.get('threads')})")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    path = out / "throughput_vs_batch.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "throughput_vs_batch.png")
 
 
 def _smooth(xs: Sequence[float], k: int) -> List[float]:
@@ -145,11 +140,7 @@ def training_curves(data: Dict[str, Any], out: Path) -> Optional[Path]:
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    path = out / "training_curves.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "training_curves.png")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

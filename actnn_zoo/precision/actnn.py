@@ -80,13 +80,6 @@ class _Watched:
         self.fan = 1.0  # op factor x values per sample, from the last forward's shapes
         # gamma of the within-layer sensitivity model E[C_n | R_n] ~ R_n ** gamma (None: 1)
         self.exponent: Optional[Tensor] = None
-        self._tables: Dict[torch.device, UpgradeTable] = {}
-
-    def table(self, device: torch.device) -> UpgradeTable:
-        t = self._tables.get(device)
-        if t is None:
-            t = self._tables[device] = UpgradeTable.build(device)
-        return t
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Tuple) -> None:
@@ -129,7 +122,7 @@ class _Watched:
                                 module.qconfig.group_size)  # type: ignore[attr-defined]
         expected = score if self.exponent is None else score.pow(self.exponent)
         extra = extra_bits(budget, n)  # host number: budget is a host float
-        bits = allocate_samples(expected, budget, self.table(score.device), extra)
+        bits = allocate_samples(expected, budget, self.strategy.table(score.device), extra)
         self.stats.range_sq, self.stats.bits = score, bits
         # plain attribute (not a buffer): skip nn.Module.__setattr__'s bookkeeping
         object.__setattr__(module, "sample_bits", SampleBits(bits, n + int(extra)))
@@ -197,18 +190,18 @@ class ActNNStrategy(PrecisionStrategy):
         self.step = 0  # training forwards of the model root seen so far
         self.updates = 0  # re-allocations applied so far
         self.record_grads = True
-        # a re-allocation on its way to the host: (free layers, their widths, read later)
-        self._pending: Optional[Tuple[List[_Watched], float, List[_Watched],
-                                      Optional[DeferredRead]]] = None
+        # a re-allocation on its way to the host: (budget of the free layers, the layers of
+        # the joint solve, their widths to read at the next step)
+        self._pending: Optional[Tuple[float, List[_Watched], Optional[DeferredRead]]] = None
         self.watched: List[_Watched] = []
         self._warned = False
-        self._tables: Dict[torch.device, UpgradeTable] = {}
+        self._tables: Dict[Tuple[torch.device, torch.dtype], UpgradeTable] = {}
 
-    def _table(self, device: torch.device) -> UpgradeTable:
-        """float64 solver constants on ``device``, built once (no host copy per update)."""
-        t = self._tables.get(device)
+    def table(self, device: torch.device, dtype: torch.dtype = torch.float32) -> UpgradeTable:
+        """Solver constants on ``device``, built once for all layers (no host copy per step)."""
+        t = self._tables.get((device, dtype))
         if t is None:
-            t = self._tables[device] = UpgradeTable.build(device, torch.float64)
+            t = self._tables[device, dtype] = UpgradeTable.build(device, dtype)
         return t
 
     # -- attach / detach ------------------------------------------------------------------
@@ -269,11 +262,8 @@ class ActNNStrategy(PrecisionStrategy):
         b_free = min(max(b_free, 1.0), 8.0)
         ready = [w for w in free if w.stats.grad_sq is not None and w.stats.range_sq is not None
                  and w.stats.range_sq.shape[0] == w.stats.samples]
-        if not ready:
-            self._pending = (self._free(), b_free, [], None)
-            return
-        device = ready[0].stats.range_sq.device  # type: ignore[union-attr]
         scores, weights, joint = [], [], []
+        device = ready[0].stats.range_sq.device if ready else None  # type: ignore[union-attr]
         for w in ready:
             c = w.calibrate(device)
             if not w.kind.modelled:
@@ -286,24 +276,21 @@ class ActNNStrategy(PrecisionStrategy):
             scores.append(c)
             weights.append(torch.full((w.stats.samples,), float(w.stats.numel),
                                       dtype=torch.float64, device=device))
-        if not joint:
-            self._pending = (self._free(), b_free, [], None)
-            return
-        widths = allocate_weighted(torch.cat(scores), torch.cat(weights), b_free,
-                                   self._table(device))
-        means = torch.stack([part.mean() for part in
-                             torch.split(widths, [w.stats.samples for w in joint])])
-        self._pending = (self._free(), b_free, joint, DeferredRead(means))
+        read = None
+        if joint:
+            widths = allocate_weighted(torch.cat(scores), torch.cat(weights), b_free,
+                                       self.table(device, torch.float64))
+            read = DeferredRead(torch.stack([
+                part.mean() for part in torch.split(widths, [w.stats.samples for w in joint])]))
+        self._pending = (b_free, joint, read)
 
-    def _free(self) -> List[_Watched]:
-        return [w for w in self.watched if w.pinned_bits is None]
-
-    def _apply(self, free: List[_Watched], b_free: float, joint: List[_Watched],
+    def _apply(self, b_free: float, joint: List[_Watched],
                widths: Optional[DeferredRead]) -> None:
         """Set the budgets a re-allocation chose: ``b_free`` for every free layer, the solved
         widths for the ``joint`` ones."""
-        for w in free:
-            w.budget = b_free
+        for w in self.watched:
+            if w.pinned_bits is None:
+                w.budget = b_free
         if widths is not None:
             for w, b in zip(joint, widths.read()):
                 w.budget = min(max(b, 1.0), 8.0)

@@ -38,4 +38,4 @@ class DeferredRead:
         """The values as Python floats (waits for the copy, not for later device work)."""
         if self._event is not None:
             self._event.synchronize()
-        return [float(v) for v in self._host.tolist()]
+        return self._host.tolist()
