@@ -79,7 +79,8 @@ class SavedReport:
     ended (e.g. statistics computed with grad enabled and thrown away: ``num_discarded``).
     ``module_bytes`` attributes each storage to the innermost module whose forward was running
     when it was first saved (``"(model)"`` for the root module's own code,
-    ``"(outside modules)"`` for e.g. the loss).
+    ``"(outside modules)"`` for e.g. the loss), and ``module_dtype_bytes`` splits that by dtype
+    (a float32 entry in a compressed model is what is still kept uncompressed).
     """
 
     total_bytes: int = 0
@@ -92,6 +93,7 @@ class SavedReport:
     dtype_tensors: Dict[str, int] = field(default_factory=dict)
     module_bytes: Dict[str, int] = field(default_factory=dict)
     module_tensors: Dict[str, int] = field(default_factory=dict)
+    module_dtype_bytes: Dict[str, Dict[str, int]] = field(default_factory=dict)
     training: bool = True
     # Bookkeeping used only while measuring (kept here so that measurements never share state).
     _stack: List[str] = field(default_factory=list, repr=False, compare=False)
@@ -170,6 +172,8 @@ class SavedReport:
             self.dtype_tensors[dt] = self.dtype_tensors.get(dt, 0) + 1
             self.module_bytes[holder.where] = self.module_bytes.get(holder.where, 0) + nbytes
             self.module_tensors[holder.where] = self.module_tensors.get(holder.where, 0) + 1
+            per_dtype = self.module_dtype_bytes.setdefault(holder.where, {})
+            per_dtype[dt] = per_dtype.get(dt, 0) + nbytes
 
     def _finish(self) -> None:
         self._stack.clear()

@@ -193,6 +193,16 @@ class _Positions:
         self.dtype = _code_dtype(nbits)
         self.device = device
 
+    def _device_offsets(self) -> Tensor:
+        """``self.offs`` as an int64 tensor built on the device from aranges: a host list
+        copied to a GPU (``torch.tensor(offs, device=...)``) would synchronise every call."""
+        offs = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for j in range(len(self.in_sizes)):
+            step = self.dilation[j] * _prod(self.in_sizes[j + 1:])
+            ks = torch.arange(self.window[j], dtype=torch.int64, device=self.device) * step
+            offs = (offs.unsqueeze(1) + ks).reshape(-1)
+        return offs
+
     def encode(self, idx: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
         """Codes in memory order (contiguous)."""
         if not self.fast:
@@ -202,7 +212,7 @@ class _Positions:
         base = _window_base(self.starts, self.in_sizes, idx.dim() - len(self.in_sizes))
         delta = to_memory_order(idx, perm) - to_memory_order(base, perm)
         table = torch.zeros(max(self.offs) + 1, dtype=self.dtype, device=self.device)
-        table[torch.tensor(self.offs, device=self.device)] = torch.arange(
+        table[self._device_offsets()] = torch.arange(
             len(self.offs), device=self.device).to(self.dtype)
         return torch.take(table, delta)
 
@@ -212,8 +222,7 @@ class _Positions:
             return _codes_to_indices(from_memory_order(codes, perm).long(), self.in_sizes,
                                      self.starts, self.dilation, self.window)
         base = _window_base(self.starts, self.in_sizes, lead)
-        offs = torch.tensor(self.offs, dtype=torch.int64, device=self.device)
-        idx = torch.take(offs, codes.long()).add_(to_memory_order(base, perm))
+        idx = torch.take(self._device_offsets(), codes.long()).add_(to_memory_order(base, perm))
         return from_memory_order(idx, perm)
 
 

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Every GPU measurement in one call (about 8 minutes on one H100): build actnn_zoo._C against
+# this machine's own PyTorch, run the CUDA tests, time the kernels, measure ResNet-50 and GPT-2.
+#
+#   bash scripts/gpu_report.sh [OUTDIR]              # default OUTDIR: results/gpu
+#   PHASES="build cuda_tests" bash scripts/gpu_report.sh /tmp/out
+#   PHASES="build suite" bash scripts/gpu_report.sh  # the whole test suite on the GPU machine
+#
+# Phases (PHASES, in this order): build, cuda_tests, kernels, models, suite (not by default).
+# Each phase runs under its own time limit and writes one file into OUTDIR, so that a phase
+# that fails or runs out of time still leaves the others' results; summary.txt says how each
+# ended. TOTAL_SECONDS (default 570) bounds the whole run: a phase gets at most what is left.
+# At most eight files are written.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUTDIR="$(mkdir -p "${1:-results/gpu}" && cd "${1:-results/gpu}" && pwd)"
+PY="${PYTHON:-python3}"
+PHASES="${PHASES:-build cuda_tests kernels models}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + ${TOTAL_SECONDS:-570}))  # every phase ends before this
+SUMMARY="$OUTDIR/summary.txt"
+: > "$SUMMARY"
+
+note() { echo "== $(date +%T) $*" | tee -a "$SUMMARY"; }
+run_phase() {  # name, seconds, log file, command...
+  local name="$1" limit="$2" logf="$3"; shift 3
+  case " $PHASES " in *" $name "*) ;; *) return 0 ;; esac
+  local left=$((DEADLINE - SECONDS - 5))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 10 ]; then note "$name: SKIPPED, no time left"; return 1; fi
+  note "$name: start (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUTDIR/$logf" 2>&1
+  local rc=$?
+  note "$name: exit $rc after $((SECONDS - t0))s ($logf)"
+  tail -n 25 "$OUTDIR/$logf"
+  return $rc
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+  nvcc --version | tail -n 2 || true
+} >> "$SUMMARY" 2>&1
+cat "$SUMMARY"
+
+run_phase build 420 build.log \
+  bash -c "'$PY' -m pip install --no-build-isolation --no-deps -v -e . && '$PY' -c 'import actnn_zoo._C as C, actnn_zoo as az; assert C.has_cuda, \"built without CUDA\"; print(\"backend:\", az.backend_name())'" \
+  || note "build FAILED: the phases below use whatever backend loads"
+
+run_phase cuda_tests 360 test_cuda.log \
+  "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py
+
+run_phase kernels 150 kernels.log \
+  "$PY" scripts/bench_cuda.py --gib 1 --bits 1 2 4 8 --repeats 20 --json "$OUTDIR/kernels.json"
+
+run_phase models 480 models.log \
+  "$PY" scripts/bench_gpu_models.py --json "$OUTDIR/models.json"
+
+run_phase suite 480 suite.log \
+  "$PY" -m pytest -q -p no:cacheprovider -rfE -n 8 tests
+
+note "done"
