@@ -58,7 +58,8 @@ DEFAULT_STRATEGY = "actnn"
 BUDGET_MIN, BUDGET_MAX = 1, 8
 GROUP_MULTIPLE = 32  # group sizes a config may ask for (the kernels accept multiples of 8)
 
-TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "rules")
+TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "capture",
+            "rules")
 MATCHER_KEYS = ("type", "name", "pattern")
 ACTION_KEYS = ("bits", "group_size", "rounding", "skip")
 RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
@@ -329,7 +330,9 @@ class QuantConfig:
     for the strategies that allocate widths per layer/sample (the default, 'actnn': 2 bits on
     average). ``update_interval`` is how often (in steps) such strategies re-allocate across
     layers. A rule's ``bits`` pins the layers it matches to that width under any strategy.
-    ``enabled: false`` converts nothing.
+    ``enabled: false`` converts nothing. ``capture`` (default true) also compresses what the
+    converted model's training forward saves outside the Q-layers: functional calls and any
+    other saved tensor (:mod:`actnn_zoo.capture`).
     """
 
     bits: Union[int, float] = 2
@@ -338,6 +341,7 @@ class QuantConfig:
     rounding: str = "stochastic"
     enabled: bool = True
     update_interval: int = 1
+    capture: bool = True
     rules: Tuple[Rule, ...] = ()
     source: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -476,6 +480,7 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
         "strategy": _check_strategy,
         "rounding": _check_rounding,
         "enabled": lambda v: _check_bool(v, "enabled"),
+        "capture": lambda v: _check_bool(v, "capture"),
         "update_interval": _check_interval,
     }
     for key, check in checks.items():

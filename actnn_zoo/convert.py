@@ -27,6 +27,7 @@ from torch import nn
 
 from . import nn as qnn
 from .config import TOP_KEYS, ConfigLike, QuantConfig, _unknown_key, as_config
+from .capture import attach_capture, detach_capture
 from .nn._base import QModule
 from .precision import PRECISION_ATTR, PrecisionStrategy, TrackedLayer, build_strategy
 
@@ -233,6 +234,7 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
     table = _effective_mapping(mapping)
     report = ConversionReport(config=cfg)
     _detach_precision(model)
+    detach_capture(model)
 
     def decide(name: str, mod: nn.Module) -> Optional[nn.Module]:
         float_cls = _float_type(mod)
@@ -272,6 +274,8 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
                       f"module in the model: {listed}", UserWarning, stacklevel=2)
     setattr(new_root, REPORT_ATTR, report)
     _attach_precision(new_root, cfg)
+    if not isinstance(new_root, QModule):  # a lone Q-layer saves nothing else to capture
+        attach_capture(new_root, cfg)
     return new_root
 
 
@@ -314,6 +318,7 @@ def restore_model(model: nn.Module) -> nn.Module:
         return mod.to_float() if isinstance(mod, QModule) else None
 
     _detach_precision(model)
+    detach_capture(model)
     root = _swap(model, decide)
     for m in {id(model): model, id(root): root}.values():
         if REPORT_ATTR in vars(m):

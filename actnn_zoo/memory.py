@@ -21,6 +21,7 @@ is only the fallback where ``/proc`` is missing.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -213,9 +214,18 @@ def saved_activation_bytes(model: nn.Module, *inputs: Any,
     snapshot = [(b, b.detach().clone()) for b in model.buffers()] if preserve_state else []
     cuda = sorted({t.device.index or 0 for t in inputs
                    if isinstance(t, Tensor) and t.device.type == "cuda"})
+    # A converted model's capture hooks are the innermost saved-tensor hooks during its
+    # forward, so they hide what they keep from the hooks below: they report it to
+    # ``observing`` instead. The loss runs inside the model's capture session, as under
+    # ``actnn_zoo.capturing(model)``.
+    from .capture import CAPTURE_ATTR, capturing, observing
+
+    captured = CAPTURE_ATTR in vars(model)
     try:
         with torch.random.fork_rng(devices=cuda, enabled=preserve_state), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(report._pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(report._pack, _unpack), \
+                    observing(report._pack), \
+                    (capturing(model) if captured else contextlib.nullcontext()):
                 out = model(*inputs, **kwargs)
                 loss = loss_fn(out) if loss_fn is not None else None
             report._tally()  # while out and loss (hence the graph) are alive

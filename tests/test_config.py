@@ -64,7 +64,7 @@ def test_to_dict_of_from_dict_is_the_normalised_dict():
                                 {"name": "fc", "group_size": 64, "rounding": "nearest"}]}
     assert QuantConfig.from_dict(d).to_dict() == {
         "bits": 4, "group_size": 256, "strategy": "actnn", "rounding": "stochastic",
-        "enabled": True, "update_interval": 1,
+        "enabled": True, "update_interval": 1, "capture": True,
         "rules": [{"pattern": "layer1.*", "bits": 8},
                   {"type": ["Conv2d", "torch.nn.Linear"], "skip": True},
                   {"name": "fc", "group_size": 64, "rounding": "nearest"}]}
@@ -106,10 +106,10 @@ _rule = st.fixed_dictionaries(
 @settings(max_examples=40, deadline=None)
 @given(bits=st.sampled_from([1, 2, 4, 8]), group=st.integers(1, 64).map(lambda k: 32 * k),
        rounding=st.sampled_from(["stochastic", "nearest"]), enabled=st.booleans(),
-       interval=st.integers(1, 10_000), rules=st.lists(_rule, max_size=4))
-def test_round_trip_property(bits, group, rounding, enabled, interval, rules):
+       interval=st.integers(1, 10_000), capture=st.booleans(), rules=st.lists(_rule, max_size=4))
+def test_round_trip_property(bits, group, rounding, enabled, interval, capture, rules):
     d = {"bits": bits, "group_size": group, "strategy": "uniform", "rounding": rounding,
-         "enabled": enabled, "update_interval": interval, "rules": rules}
+         "enabled": enabled, "update_interval": interval, "capture": capture, "rules": rules}
     cfg = QuantConfig.from_dict(d)
     assert cfg.to_dict() == d
     assert QuantConfig.from_yaml(io.StringIO(cfg.to_yaml())) == cfg

@@ -86,6 +86,11 @@ def tiny(seed=0) -> TinyResNet:
 
 
 def convert(model, config=None, **kw):
+    """Conversion with the test-only classes; tiers 2-3 off unless asked for, so that these
+    tree-surgery tests compare exact forwards (tests/test_capture.py covers capture)."""
+    if not isinstance(config, (QuantConfig, str, Path)) and "capture" not in kw:
+        if config is None or "capture" not in config:
+            kw["capture"] = False
     return convert_model(model, config, mapping=TEST_MAP, **kw)
 
 

@@ -464,8 +464,8 @@ def test_restore_and_reconvert_remove_the_hooks():
     assert all(not hasattr(m, "precision_stats") and not hasattr(m, "sample_bits")
                for m in restored.modules())
     train(restored, batches(4, 1))
-    uniform = az.convert_model(Net(), strategy="uniform")
-    assert hook_counts(uniform) == before
+    uniform = az.convert_model(Net(), strategy="uniform", capture=False)
+    assert hook_counts(uniform) == before  # uniform widths need no hooks (capture adds two)
 
 
 # ----------------------------------------------------------------------------- host syncs

@@ -5,6 +5,7 @@ from typing import List, Optional, Union
 
 from torch import Tensor
 
+from ..capture.session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, dequantize, quantize
 
@@ -13,9 +14,17 @@ Saved = Union[Tensor, QuantizedTensor, None]
 
 def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None
              ) -> QuantizedTensor:
-    """Quantize ``x`` as ``qconfig`` says (``bits`` overrides its width, e.g. per-sample)."""
-    return quantize(x, qconfig.bits if bits is None else bits, qconfig.group_size,
-                    rounding=qconfig.rounding)
+    """Quantize ``x`` as ``qconfig`` says (``bits`` overrides its width, e.g. per-sample).
+
+    Inside a converted model's training forward the capture session's store answers, so a
+    tensor that several layers save is compressed once (``actnn_zoo.capture.store``).
+    """
+    b = qconfig.bits if bits is None else bits
+    session = active_session()
+    if session is not None:
+        return session.store.compress(x, b, qconfig.group_size, qconfig.rounding,
+                                      quantize_fn=quantize)
+    return quantize(x, b, qconfig.group_size, rounding=qconfig.rounding)
 
 
 def save(ctx, *items: Saved) -> None:
@@ -33,6 +42,10 @@ def save(ctx, *items: Saved) -> None:
             layout.append(("t", 1, None))
             tensors.append(item)
     ctx._az_layout = layout
+    session = active_session()
+    if session is not None:  # what a zoo Function saves is final: tier 3 must not touch it
+        for t in tensors:
+            session.store.keep(t)
     ctx.save_for_backward(*tensors)
 
 

@@ -22,7 +22,7 @@ from ..quant import Bits
 from ._saving import compress, load, restore, save
 from .activation import no_double_backward
 
-__all__ = ["SoftmaxFunction", "softmax", "softmax_dim"]
+__all__ = ["SoftmaxFunction", "LogSoftmaxFunction", "softmax", "log_softmax", "softmax_dim"]
 
 
 def softmax_dim(ndim: int, dim: Optional[int]) -> int:
@@ -63,3 +63,40 @@ def softmax(x: Tensor, dim: Optional[int] = None, qconfig: Optional[LayerQConfig
             bits: Optional[Bits] = None) -> Tensor:
     """Softmax along ``dim`` saving its output compressed as ``qconfig`` says."""
     return SoftmaxFunction.apply(x, dim, LayerQConfig() if qconfig is None else qconfig, bits)
+
+
+class LogSoftmaxFunction(torch.autograd.Function):
+    """``F.log_softmax(x, dim)`` saving the compressed probabilities ``p = exp(y)``.
+
+    The backward ``grad_in = g - p * sum(g, dim)`` is linear in ``p``, so stochastic rounding
+    keeps it unbiased. (Saving the log-probabilities ``y`` compressed instead would be biased
+    and far worse: the backward exponentiates them, turning a quantization step into a factor.)
+    ``create_graph=True`` raises.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: Optional[int], qconfig: LayerQConfig,
+                bits: Optional[Bits]) -> Tensor:
+        y = F.log_softmax(x, dim)
+        ctx.dim = softmax_dim(x.dim(), dim)
+        ctx.in_dtype = x.dtype
+        ctx.out_dtype = y.dtype
+        p = y.exp() if y.dtype != torch.float64 else y.exp().float()
+        save(ctx, compress(p, qconfig, bits))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        no_double_backward("log_softmax")
+        (q,) = load(ctx)
+        work = torch.float64 if ctx.out_dtype == torch.float64 else torch.float32
+        p = restore(q).to(work)
+        g = grad.to(work)
+        grad_in = g - p * g.sum(ctx.dim, keepdim=True)
+        return grad_in.to(ctx.in_dtype), None, None, None
+
+
+def log_softmax(x: Tensor, dim: Optional[int] = None, qconfig: Optional[LayerQConfig] = None,
+                bits: Optional[Bits] = None) -> Tensor:
+    """Log-softmax along ``dim`` saving the probabilities compressed as ``qconfig`` says."""
+    return LogSoftmaxFunction.apply(x, dim, LayerQConfig() if qconfig is None else qconfig, bits)

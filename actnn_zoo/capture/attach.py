@@ -1,0 +1,169 @@
+"""Opening and closing the capture session around a converted model's training forward.
+
+``convert_model`` attaches a :class:`Capture` to the root it returns. Its forward pre-hook
+opens a :class:`CaptureSession` (the tier-2 mode, the tier-3 saved-tensor hooks and the one
+store) when the root runs a training forward with grad enabled and no session is open yet in
+this thread; its forward hook (``always_call=True``) closes it, also when forward raises. A
+converted model inside another converted model therefore does not stack a second session, and
+nothing stays active after the forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from ..config import LayerQConfig, QuantConfig
+from . import session as S
+from .handlers import HANDLERS
+from .mode import CaptureMode
+from .store import CaptureStats, CompressedStore
+
+__all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
+           "capturing", "CAPTURE_ATTR", "MIN_NUMEL"]
+
+CAPTURE_ATTR = "actnn_zoo_capture"
+# Saved tensors with fewer values stay as they are: their bytes are negligible next to the
+# activations, and per-row statistics of norms must stay exact.
+MIN_NUMEL = 4096
+
+
+class CaptureSession:
+    """Tier 2 and tier 3 for one forward: entered by :class:`Capture`'s pre-hook."""
+
+    def __init__(self, root: nn.Module, qconfig: LayerQConfig, min_numel: int) -> None:
+        skip = {t.untyped_storage().data_ptr()
+                for t in list(root.parameters()) + list(root.buffers())
+                if t.layout == torch.strided}
+        self.qconfig = qconfig
+        self.stats = CaptureStats()
+        self.store = CompressedStore(qconfig, skip, min_numel, self.stats)
+        self._mode = CaptureMode(self, HANDLERS)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack,
+                                                                self.store.unpack)
+        self._token: Optional[contextvars.Token] = None
+
+    def open(self) -> None:
+        self._token = S._enter(self)
+        try:
+            self._mode.__enter__()
+            try:
+                self._hooks.__enter__()
+            except BaseException:
+                self._mode.__exit__(None, None, None)
+                raise
+        except BaseException:
+            S._leave(self._token)
+            raise
+
+    def close(self) -> None:
+        try:
+            self._hooks.__exit__(None, None, None)
+        finally:
+            try:
+                self._mode.__exit__(None, None, None)
+            finally:
+                S._leave(self._token)
+
+
+class Capture:
+    """What ``convert_model`` attaches to the converted root (``root.actnn_zoo_capture``).
+
+    ``last_stats`` describes the last captured forward (see :func:`capture_report`).
+    """
+
+    def __init__(self, qconfig: LayerQConfig, min_numel: int = MIN_NUMEL) -> None:
+        self.qconfig = qconfig
+        self.min_numel = min_numel
+        self.last_stats: Optional[CaptureStats] = None
+        self._open: List[Optional[CaptureSession]] = []
+        self._handles: List[Any] = []
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()) or S.active_session() is not None:
+            self._open.append(None)  # nothing to open: eval, no_grad, or an outer session
+            return
+        session = CaptureSession(module, self.qconfig, self.min_numel)
+        session.open()
+        self._open.append(session)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._open:
+            return  # the pre-hook did not run (a hook of another library raised before it)
+        session = self._open.pop()
+        if session is not None:
+            session.close()
+            self.last_stats = session.stats
+
+    def attach(self, root: nn.Module) -> None:
+        self._handles = [root.register_forward_pre_hook(self._pre),
+                         root.register_forward_hook(self._post, always_call=True)]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __getstate__(self) -> dict:  # copy.deepcopy / pickle: no open sessions travel
+        state = dict(self.__dict__)
+        state["_open"] = []
+        return state
+
+
+def attach_capture(root: nn.Module, cfg: QuantConfig) -> None:
+    """Attach tiers 2 and 3 to a converted root (any earlier capture is detached first)."""
+    detach_capture(root)
+    if not cfg.capture or not cfg.enabled:
+        return
+    qconfig = LayerQConfig(bits=cfg.layer_bits(), group_size=cfg.group_size,
+                           rounding=cfg.rounding)
+    capture = Capture(qconfig)
+    capture.attach(root)
+    setattr(root, CAPTURE_ATTR, capture)
+
+
+def detach_capture(root: nn.Module) -> None:
+    capture = vars(root).get(CAPTURE_ATTR)
+    if isinstance(capture, Capture):
+        capture.detach()
+    if CAPTURE_ATTR in vars(root):
+        delattr(root, CAPTURE_ATTR)
+
+
+def capture_report(model: nn.Module) -> Optional[CaptureStats]:
+    """What tiers 2 and 3 did in ``model``'s last training forward (None before the first, or
+    when the model was converted with ``capture: false``)."""
+    capture = vars(model).get(CAPTURE_ATTR)
+    return capture.last_stats if isinstance(capture, Capture) else None
+
+
+@contextlib.contextmanager
+def capturing(model: nn.Module) -> Iterator[Optional[CaptureStats]]:
+    """Keep ``model``'s capture session open over a whole block, e.g. forward plus loss::
+
+        with az.capturing(model):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+
+    The automatic session covers only ``model.forward``; a loss computed outside it (the
+    [tokens, vocab] log-softmax of a language model) is captured only inside this block.
+    Yields the session's statistics (None when nothing is captured: eval mode, ``no_grad``, or
+    a session already open in this thread, which then covers the block).
+    """
+    capture = vars(model).get(CAPTURE_ATTR)
+    if not isinstance(capture, Capture):
+        raise ValueError("capturing(model): the model was not converted by "
+                         "actnn_zoo.convert_model with capture enabled")
+    if S.active_session() is not None or not (model.training and torch.is_grad_enabled()):
+        yield None
+        return
+    session = CaptureSession(model, capture.qconfig, capture.min_numel)
+    session.open()
+    try:
+        yield session.stats
+    finally:
+        session.close()
+        capture.last_stats = session.stats

@@ -1,0 +1,235 @@
+"""Tier 2: which functional calls go to which of the zoo's autograd Functions.
+
+A handler receives the call as torch made it (``func, args, kwargs``) while a converted
+model's training forward runs, checks that the zoo can do better than what the op itself would
+save, and either runs the zoo's Function or calls ``func`` unchanged. The table is an immutable
+value (no registry is mutated at import); a capture session reads it.
+
+Routed, and why (what the op itself would save, and what the zoo saves instead):
+
+* softmax: its output, compressed by tier 3 as well -- routed only so the report names it;
+  log_softmax: its output, which backward exponentiates (compressed log-probabilities would be
+  badly biased) -> the probabilities, compressed (backward linear in them);
+* relu / relu6 / leaky_relu / hardtanh: the output or input in full -> a 1-bit mask, exact;
+* gelu / silu / sigmoid / tanh / elu / softplus: the input (f' of a compressed input is
+  biased) -> the compressed derivative (unbiased);
+* layer_norm / group_norm / batch_norm (training): the input and per-row statistics (tier 3
+  would compress both) -> compressed input, exact statistics;
+* dropout: a full float mask on CPU -> a 1-bit mask.
+
+Not routed on purpose: linear / addmm / matmul / bmm / mul save exactly their operands, and
+their backward is linear in each saved operand, so tier 3 compressing those operands (once,
+through the store) is the same saving, unbiased, with no extra code.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Mapping, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["HANDLERS", "Handler"]
+
+Handler = Callable[[Any, Callable, Tuple, Dict[str, Any]], Any]
+_COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
+_MISSING = object()
+
+
+def _arg(args: Tuple, kwargs: Dict[str, Any], i: int, name: str, default: Any = _MISSING) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _only(args: Tuple, kwargs: Dict[str, Any], names: Tuple[str, ...]) -> bool:
+    """True when the call uses no argument beyond ``names`` (positional or keyword)."""
+    return len(args) <= len(names) and all(k in names for k in kwargs)
+
+
+def _saves(x: Any) -> bool:
+    """Whether autograd will save something of ``x`` that the zoo can compress."""
+    return (type(x) is Tensor and x.requires_grad and x.dtype in _COMPRESSIBLE
+            and x.layout == torch.strided and not x.is_nested and x.numel() > 0)
+
+
+# -- softmax family -------------------------------------------------------------------------
+def _softmax_like(fn_name: str):
+    def handler(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        from ..functional import softmax as S
+
+        x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        dim = _arg(args, kwargs, 1, "dim", None)
+        dtype = kwargs.get("dtype")
+        extra = set(kwargs) - {"input", "self", "dim", "dtype", "_stacklevel"}
+        if extra or len(args) > 2 or not _saves(x) or not isinstance(dim, (int, type(None))):
+            return func(*args, **kwargs)
+        if dtype is not None:
+            x = x.to(dtype)
+            if not _saves(x):
+                return func(*args, **kwargs)
+        fn = S.SoftmaxFunction if fn_name == "softmax" else S.LogSoftmaxFunction
+        session.stats.route(fn_name)
+        return fn.apply(x, dim, session.qconfig, None)
+    return handler
+
+
+# -- activations ----------------------------------------------------------------------------
+def _mask_act(op: str, inplace_default: bool = False):
+    """relu / leaky_relu / hardtanh / relu6 (and their in-place forms)."""
+    def handler(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        from ..functional import activation as A
+
+        x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        if not _saves(x):
+            return func(*args, **kwargs)
+        if op == "relu":
+            if not _only(args, kwargs, ("input", "inplace")):
+                return func(*args, **kwargs)
+            inplace = bool(_arg(args, kwargs, 1, "inplace", inplace_default))
+            out = A.MaskActivationFunction.apply(x, "relu", 0.0, 0.0, inplace)
+        elif op == "leaky_relu":
+            slope = float(_arg(args, kwargs, 1, "negative_slope", 0.01))
+            inplace = bool(_arg(args, kwargs, 2, "inplace", inplace_default))
+            out = A.MaskActivationFunction.apply(x, "leaky_relu", slope, 0.0, inplace)
+        elif op == "relu6":
+            inplace = bool(_arg(args, kwargs, 1, "inplace", inplace_default))
+            out = A.MaskActivationFunction.apply(x, "hardtanh", 0.0, 6.0, inplace)
+        else:  # hardtanh
+            lo = float(_arg(args, kwargs, 1, "min_val", -1.0))
+            hi = float(_arg(args, kwargs, 2, "max_val", 1.0))
+            inplace = bool(_arg(args, kwargs, 3, "inplace", inplace_default))
+            if lo > hi:
+                return func(*args, **kwargs)  # torch's own error
+            out = A.MaskActivationFunction.apply(x, "hardtanh", lo, hi, inplace)
+        session.stats.route(op)
+        return out
+    return handler
+
+
+def _deriv_act(op: str):
+    """gelu / silu / sigmoid / tanh / elu / softplus: save the compressed derivative."""
+    def handler(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        from ..functional import activation as A
+
+        x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        if not _saves(x):
+            return func(*args, **kwargs)
+        inplace = False
+        if op == "gelu":
+            params: Tuple = (_arg(args, kwargs, 1, "approximate", "none"),)
+            if params[0] not in ("none", "tanh"):
+                return func(*args, **kwargs)
+        elif op == "silu":
+            params, inplace = (), bool(_arg(args, kwargs, 1, "inplace", False))
+        elif op == "elu":
+            params = (float(_arg(args, kwargs, 1, "alpha", 1.0)),)
+            inplace = bool(_arg(args, kwargs, 2, "inplace", False))
+        elif op == "softplus":
+            params = (float(_arg(args, kwargs, 1, "beta", 1.0)),
+                      float(_arg(args, kwargs, 2, "threshold", 20.0)))
+        else:  # sigmoid, tanh
+            if not _only(args, kwargs, ("input",)):
+                return func(*args, **kwargs)
+            params = ()
+        session.stats.route(op)
+        return A.DerivativeActivationFunction.apply(x, op, params, session.qconfig, None,
+                                                    inplace)
+    return handler
+
+
+# -- norms ----------------------------------------------------------------------------------
+def _layer_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    from ..functional import norm as N
+
+    x = _arg(args, kwargs, 0, "input")
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    w = _arg(args, kwargs, 2, "weight", None)
+    b = _arg(args, kwargs, 3, "bias", None)
+    eps = _arg(args, kwargs, 4, "eps", 1e-5)
+    if not _saves(x):
+        return func(*args, **kwargs)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    session.stats.route("layer_norm")
+    return N.LayerNormFunction.apply(x, shape, w, b, float(eps), session.qconfig,
+                                     session.qconfig.bits)
+
+
+def _group_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    from ..functional import norm as N
+
+    x = _arg(args, kwargs, 0, "input")
+    groups = _arg(args, kwargs, 1, "num_groups")
+    w = _arg(args, kwargs, 2, "weight", None)
+    b = _arg(args, kwargs, 3, "bias", None)
+    eps = _arg(args, kwargs, 4, "eps", 1e-5)
+    if not _saves(x) or x.dim() < 2 or x.shape[1] % int(groups):
+        return func(*args, **kwargs)  # torch raises its own error for a bad group count
+    session.stats.route("group_norm")
+    return N.GroupNormFunction.apply(x, int(groups), w, b, float(eps), session.qconfig,
+                                     session.qconfig.bits)
+
+
+def _batch_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    from ..functional import norm as N
+
+    x = _arg(args, kwargs, 0, "input")
+    rm = _arg(args, kwargs, 1, "running_mean")
+    rv = _arg(args, kwargs, 2, "running_var")
+    w = _arg(args, kwargs, 3, "weight", None)
+    b = _arg(args, kwargs, 4, "bias", None)
+    training = _arg(args, kwargs, 5, "training", False)
+    momentum = _arg(args, kwargs, 6, "momentum", 0.1)
+    eps = _arg(args, kwargs, 7, "eps", 1e-5)
+    if (not training or not _saves(x) or x.dim() < 2 or momentum is None
+            or x.numel() // x.shape[1] <= 1):
+        return func(*args, **kwargs)  # eval, nothing saved, or torch's own batch-size error
+    session.stats.route("batch_norm")
+    return N.BatchNormFunction.apply(x, w, b, rm, rv, float(momentum), float(eps),
+                                     session.qconfig, session.qconfig.bits)
+
+
+# -- dropout --------------------------------------------------------------------------------
+def _dropout(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    from ..functional import dropout as D
+
+    x = _arg(args, kwargs, 0, "input")
+    p = _arg(args, kwargs, 1, "p", 0.5)
+    training = _arg(args, kwargs, 2, "training", True)
+    inplace = _arg(args, kwargs, 3, "inplace", False)
+    if not training or not _saves(x) or not isinstance(p, (int, float)) or not 0.0 < p < 1.0:
+        return func(*args, **kwargs)
+    session.stats.route("dropout")
+    return D.dropout(x, float(p), bool(inplace))
+
+
+def _table() -> Mapping[Callable, Handler]:
+    t: Dict[Callable, Handler] = {}
+    for fn in (F.softmax, torch.softmax, Tensor.softmax):
+        t[fn] = _softmax_like("softmax")
+    for fn in (F.log_softmax, torch.log_softmax, Tensor.log_softmax):
+        t[fn] = _softmax_like("log_softmax")
+    for fn in (F.relu, torch.relu, Tensor.relu):
+        t[fn] = _mask_act("relu")
+    for fn in (F.relu_, torch.relu_, Tensor.relu_):
+        t[fn] = _mask_act("relu", inplace_default=True)
+    t[F.leaky_relu] = _mask_act("leaky_relu")
+    t[F.hardtanh] = _mask_act("hardtanh")
+    t[F.relu6] = _mask_act("relu6")
+    t[F.gelu] = _deriv_act("gelu")
+    t[F.silu] = _deriv_act("silu")
+    t[F.elu] = _deriv_act("elu")
+    t[F.softplus] = _deriv_act("softplus")
+    for fn in (torch.sigmoid, Tensor.sigmoid, F.sigmoid):
+        t[fn] = _deriv_act("sigmoid")
+    for fn in (torch.tanh, Tensor.tanh, F.tanh):
+        t[fn] = _deriv_act("tanh")
+    t[F.layer_norm] = _layer_norm
+    t[F.group_norm] = _group_norm
+    t[F.batch_norm] = _batch_norm
+    t[F.dropout] = _dropout
+    return MappingProxyType(t)
+
+
+HANDLERS: Mapping[Callable, Handler] = _table()

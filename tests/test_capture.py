@@ -1,0 +1,427 @@
+"""Tiers 2 and 3 of capture and the one store (actnn_zoo.capture) on real converted models.
+
+Gradients are compared with exact fp32 autograd of the same unconverted model. 8-bit checks
+use cosine >= 0.9999 per parameter/input for a single routed op; at 2 bits, ops whose backward
+is linear in what is saved are checked for unbiasedness (K draws, stated tolerance).
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import actnn_zoo as az
+from actnn_zoo.capture import active_session
+from actnn_zoo.memory import saved_activation_bytes
+
+
+def cos(a: Tensor, b: Tensor) -> float:
+    return F.cosine_similarity(a.detach().double().flatten(), b.detach().double().flatten(),
+                               dim=0).item()
+
+
+class Call(nn.Module):
+    """A learnable affine map, then one functional call: what tier 2 must route."""
+
+    def __init__(self, fn, d: int = 48) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(self.lin(x))
+
+
+def _gamma(d=48):
+    return torch.linspace(0.5, 1.5, d)
+
+
+CALLS = {
+    "F.softmax": (lambda h: F.softmax(h, -1), "softmax"),
+    "torch.softmax": (lambda h: torch.softmax(h, dim=-1), "softmax"),
+    "Tensor.softmax": (lambda h: h.softmax(-1), "softmax"),
+    "F.log_softmax": (lambda h: F.log_softmax(h, dim=-1), "log_softmax"),
+    "Tensor.log_softmax": (lambda h: h.log_softmax(-1), "log_softmax"),
+    "F.relu": (lambda h: F.relu(h), "relu"),
+    "F.relu inplace": (lambda h: F.relu(h * 1.0, inplace=True), "relu"),
+    "torch.relu_": (lambda h: torch.relu_(h * 1.0), "relu"),
+    "Tensor.relu": (lambda h: h.relu(), "relu"),
+    "F.leaky_relu": (lambda h: F.leaky_relu(h, 0.2), "leaky_relu"),
+    "F.hardtanh": (lambda h: F.hardtanh(h, -0.5, 0.5), "hardtanh"),
+    "F.relu6": (lambda h: F.relu6(h * 4), "relu6"),
+    "F.gelu": (lambda h: F.gelu(h), "gelu"),
+    "F.gelu tanh": (lambda h: F.gelu(h, approximate="tanh"), "gelu"),
+    "F.silu": (lambda h: F.silu(h), "silu"),
+    "torch.sigmoid": (lambda h: torch.sigmoid(h), "sigmoid"),
+    "Tensor.tanh": (lambda h: h.tanh(), "tanh"),
+    "F.elu": (lambda h: F.elu(h, 0.7), "elu"),
+    "F.softplus": (lambda h: F.softplus(h, beta=2.0), "softplus"),
+    "F.layer_norm": (lambda h: F.layer_norm(h, (48,), _gamma(), None), "layer_norm"),
+    "F.group_norm": (lambda h: F.group_norm(h.transpose(1, 2), 4), "group_norm"),
+    "F.batch_norm": (lambda h: F.batch_norm(h.transpose(1, 2), None, None, training=True),
+                     "batch_norm"),
+}
+# Ops whose backward reads only a 1-bit mask: the input gradient is exact.
+EXACT = {"relu", "leaky_relu", "hardtanh", "relu6"}
+
+
+def _pair(fn, bits=8, seed=0):
+    torch.manual_seed(seed)
+    ref = Call(fn).train()
+    q = az.convert_model(copy.deepcopy(ref), bits=bits, strategy="uniform")
+    return ref, q
+
+
+def _grads(model, x, gout_seed=1):
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(gout_seed))
+    out.backward(g)
+    return out.detach(), [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_routed_call_forward_equal_and_8bit_gradients(name):
+    fn, routed = CALLS[name]
+    ref, q = _pair(fn)
+    x = torch.randn(6, 10, 48)
+    out_r, g_r = _grads(ref, x)
+    out_q, g_q = _grads(q, x)
+    torch.testing.assert_close(out_q, out_r, rtol=0, atol=0)  # the same kernels run
+    assert az.capture_report(q).routed == {routed: 1}
+    scale = max(g.norm() for g in g_r)
+    for i, (a, b) in enumerate(zip(g_r, g_q)):
+        if routed in EXACT and i == 0:  # QLinear's input gradient reads no saved tensor
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        elif a.norm() < 1e-5 * scale:  # exactly zero in theory (batch norm cancels lin.bias)
+            assert b.norm() < 1e-2 * scale, (name, b.norm(), scale)
+        else:
+            assert cos(a, b) >= 0.9999, (name, cos(a, b))
+
+
+def test_routed_calls_save_less():
+    for name, (fn, _) in CALLS.items():
+        ref, q = _pair(fn, bits=2)
+        x = torch.randn(6, 10, 48, requires_grad=True)
+        full = saved_activation_bytes(ref, x).total_bytes
+        small = saved_activation_bytes(q, x).total_bytes
+        assert small < full / 3, (name, full, small)
+
+
+def test_dropout_routed_to_a_one_bit_mask():
+    torch.manual_seed(0)
+    model = az.convert_model(Call(lambda h: F.dropout(h, 0.25, training=True)), bits=8,
+                             strategy="uniform")
+    x = torch.randn(8, 20, 48)
+    out, grads = _grads(model, x)
+    assert az.capture_report(model).routed == {"dropout": 1}
+    h = model.lin(x).detach()
+    keep = out != 0
+    assert 0.70 < keep.float().mean().item() < 0.80
+    torch.testing.assert_close(out, h * keep / 0.75)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    # dL/dh = g * mask / (1 - p) exactly (the mask is kept exactly, in 1 bit)...
+    torch.testing.assert_close(grads[0], (g * keep / 0.75) @ model.lin.weight.detach())
+    expect_w = (g * keep / 0.75).reshape(-1, 48).t() @ x.reshape(-1, 48)
+    assert cos(grads[1], expect_w) >= 0.9999
+    saved = saved_activation_bytes(model, x.requires_grad_()).dtype_bytes
+    assert saved.get("float32", 0) < 4096  # ...and no float mask is kept
+
+
+def test_eval_no_grad_and_capture_false_route_nothing():
+    ref, q = _pair(lambda h: F.gelu(h))
+    x = torch.randn(4, 48)
+    q.eval()
+    q(x)
+    assert az.capture_report(q) is None
+    q.train()
+    with torch.no_grad():
+        q(x)
+    assert az.capture_report(q) is None
+    off = az.convert_model(copy.deepcopy(ref), capture=False)
+    assert not hasattr(off, "actnn_zoo_capture")
+    x = torch.randn(128, 48, requires_grad=True)
+    assert saved_activation_bytes(off, x).dtype_bytes["float32"] >= 128 * 48 * 4  # gelu's input
+
+
+# ----------------------------------------------------------------------------- tier 3
+class Products(nn.Module):
+    """Matmul of two activations, an HF-Conv1D-style addmm, an elementwise product of two
+    activations, exp: nothing here is a module the zoo converts."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.b = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.addmm(self.b, x.reshape(-1, x.shape[-1]), self.w).view_as(x)
+        a = h @ h.transpose(-1, -2) / 8
+        y = torch.matmul(a, x)
+        return (y * torch.exp(-h.square())) * h
+
+
+def test_tier3_compresses_products_and_gradients_match_at_8_bits():
+    torch.manual_seed(0)
+    ref = Products()
+    q = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
+    x = torch.randn(4, 32, 64)
+    out_r, g_r = _grads(ref, x)
+    out_q, g_q = _grads(q, x)
+    torch.testing.assert_close(out_q, out_r, rtol=0, atol=0)
+    for a, b in zip(g_r, g_q):  # errors of several saved tensors compound through the chain
+        assert cos(a, b) >= 0.999
+    stats = az.capture_report(q)
+    assert stats.compressed >= 4 and stats.routed == {}
+    q2 = az.convert_model(copy.deepcopy(ref), bits=2, strategy="uniform")
+    xr = x.clone().requires_grad_()
+    full = saved_activation_bytes(ref, xr).total_bytes
+    assert full / saved_activation_bytes(q2, xr).total_bytes > 10
+
+
+def test_tier3_two_bit_weight_gradient_is_unbiased():
+    """y = addmm(b, x, W): dL/dW = x^T g is linear in the saved x, so the mean of K compressed
+    gradients converges to the exact one. K = 400; per element the mean must lie within 5
+    standard errors (estimated from the draws) of the exact value, and the RMS error of the
+    mean must fall by at least 3x from K/16 to K (theory: 4x)."""
+    torch.manual_seed(0)
+    d = 32
+    w = nn.Parameter(torch.randn(d, d))
+
+    class Mm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return torch.addmm(torch.zeros(d), x, self.w)
+
+    x = torch.randn(256, d).exp()  # positive, skewed: rounding errors do not cancel by symmetry
+    g = torch.randn(256, d)
+    exact = x.t() @ g
+    model = az.convert_model(Mm(), bits=2, strategy="uniform")
+    draws = []
+    for _ in range(400):
+        model.w.grad = None
+        model(x.requires_grad_(False).clone().requires_grad_()).backward(g)
+        draws.append(model.w.grad.clone())
+    draws = torch.stack(draws)
+    mean = draws.mean(0)
+    se = draws.std(0) / 400 ** 0.5
+    assert ((mean - exact).abs() <= 5 * se + 1e-6).float().mean() > 0.999
+    err_small = (draws[:25].mean(0) - exact).pow(2).mean().sqrt()
+    err_large = (mean - exact).pow(2).mean().sqrt()
+    assert err_small / err_large > 3
+
+
+def test_one_store_compresses_a_tensor_saved_three_times_once():
+    class Thrice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.w1 = nn.Parameter(torch.randn(64, 64))
+            self.w2 = nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):
+            h = self.lin(x)
+            return (h * h) + h @ self.w1 + h @ self.w2  # h saved by mul (twice) and two mms
+
+    torch.manual_seed(0)
+    ref = Thrice()
+    model = az.convert_model(copy.deepcopy(ref), bits=2, strategy="uniform")
+    x = torch.randn(128, 64, requires_grad=True)
+    report = saved_activation_bytes(model, x)
+    stats = az.capture_report(model)
+    assert stats.compressed == 1 and stats.shared >= 2
+    codes = 128 * 64 * 2 // 8
+    assert report.dtype_bytes["uint8"] == 2 * codes  # x (by QLinear) and one copy of h
+    q8 = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
+    x2 = torch.randn(128, 64)
+    out_q, g_q = _grads(q8, x2)
+    out_r, g_r = _grads(ref, x2)
+    torch.testing.assert_close(out_q, out_r, rtol=0, atol=0)
+    for a, b in zip(g_r, g_q):
+        assert cos(a, b) >= 0.9999
+
+
+def test_in_place_change_after_saving_is_never_read_back_wrongly():
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.w = nn.Parameter(torch.randn(64, 64) / 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            a = h @ self.w           # saves h at version v
+            h.mul_(3.0)               # h changes in place
+            return a + h @ self.w     # saves h at version v + 1
+
+    class Cloned(InPlace):
+        def forward(self, x):
+            h = self.lin(x)
+            a = h @ self.w
+            h = h * 3.0
+            return a + h @ self.w
+
+    torch.manual_seed(0)
+    q = az.convert_model(InPlace(), bits=8, strategy="uniform")
+    ref = Cloned()
+    ref.load_state_dict(q.state_dict())
+    x = torch.randn(32, 64)
+    out_q, g_q = _grads(q, x)
+    out_r, g_r = _grads(ref, x)
+    torch.testing.assert_close(out_q, out_r)
+    assert az.capture_report(q).shared == 0  # the second save is a new version
+    for a, b in zip(g_r, g_q):
+        assert cos(a, b) >= 0.9999
+
+
+def test_retain_graph_backward_twice_is_identical():
+    torch.manual_seed(0)
+    q = az.convert_model(Products(), bits=2, strategy="uniform")
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    out = q(x)
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, [x] + list(q.parameters()), g, retain_graph=True)
+    second = torch.autograd.grad(out, [x] + list(q.parameters()), g)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_float64_integer_and_bool_tensors():
+    class Mixed(nn.Module):
+        def forward(self, x):
+            keep = x > 0                      # bool saved by where: a 1-bit mask
+            y = torch.where(keep, x * 2, x * 0.5)
+            idx = torch.argsort(y, dim=-1)    # int64 saved by gather: passed through
+            return torch.gather(y, -1, idx).double().exp()  # float64 saved: passed through
+
+    q = az.convert_model(nn.Sequential(nn.Linear(64, 64), Mixed()), bits=8, strategy="uniform")
+    x = torch.randn(128, 64)
+    out, grads = _grads(q, x)
+    stats = az.capture_report(q)
+    assert "integer" in stats.passed and "float64" in stats.passed
+    ref = az.restore_model(copy.deepcopy(q))
+    _, g_r = _grads(ref, x)
+    for a, b in zip(g_r, grads):
+        assert cos(a, b) >= 0.9999
+
+
+# ----------------------------------------------------------------------------- scoping
+def test_nothing_stays_active_after_forward_or_an_exception():
+    class Boom(nn.Module):
+        def forward(self, x):
+            h = F.gelu(x)
+            raise RuntimeError("boom")
+
+    q = az.convert_model(nn.Sequential(nn.Linear(8, 8), Boom()), bits=2, strategy="uniform")
+    with pytest.raises(RuntimeError, match="boom"):
+        q(torch.randn(2, 8))
+    assert active_session() is None
+    x = torch.randn(64, 64, requires_grad=True)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        F.gelu(x)  # plain torch again: not routed, saves x itself
+    assert len(seen) == 1 and seen[0].dtype == torch.float32 and seen[0].shape == x.shape
+    ok = az.convert_model(Call(lambda h: F.gelu(h)), bits=2, strategy="uniform")
+    ok(torch.randn(3, 48))
+    assert active_session() is None
+
+
+def test_nested_converted_models_open_one_session():
+    torch.manual_seed(0)
+    inner = az.convert_model(Call(lambda h: F.gelu(h)), bits=2, strategy="uniform")
+    outer = az.convert_model(nn.Sequential(inner, Call(lambda h: torch.tanh(h))), bits=2,
+                             strategy="uniform")
+    inner.actnn_zoo_capture.last_stats = None
+    outer(torch.randn(4, 48))
+    assert az.capture_report(outer).routed == {"gelu": 1, "tanh": 1}
+    assert inner.actnn_zoo_capture.last_stats is None  # it did not open its own
+
+
+def test_two_models_and_threads_do_not_interact():
+    torch.manual_seed(0)
+    base = Products()
+    models = [az.convert_model(copy.deepcopy(base), bits=8, strategy="uniform")
+              for _ in range(2)]
+    ref = copy.deepcopy(base)
+    xs = [torch.randn(2, 64, 64) for _ in range(2)]
+    want = [_grads(ref, x) for x in xs]
+    got = [None, None]
+
+    def run(i):
+        for _ in range(5):
+            got[i] = _grads(models[i], xs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (out_r, g_r), (out_q, g_q) in zip(want, got):
+        torch.testing.assert_close(out_q, out_r, rtol=0, atol=0)
+        for a, b in zip(g_r, g_q):  # as in the single-threaded chain test
+            assert cos(a, b) >= 0.999
+    assert active_session() is None
+
+
+def test_checkpointed_segments_compose():
+    """Inside a non-reentrant checkpoint the checkpoint's own hooks are innermost: nothing is
+    saved there and the recomputation in backward runs outside the forward's session."""
+    class Seg(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Products()
+            self.b = Products()
+
+        def forward(self, x):
+            x = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+            return self.b(x)
+
+    torch.manual_seed(0)
+    ref = Seg()
+    q = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
+    x = torch.randn(2, 16, 64)
+    _, g_r = _grads(ref, x)
+    _, g_q = _grads(q, x)
+    for a, b in zip(g_r, g_q):
+        assert cos(a, b) >= 0.9999
+
+
+def test_deepcopy_pickle_restore_and_reconvert():
+    torch.manual_seed(0)
+    q = az.convert_model(Products(), bits=2, strategy="uniform")
+    for clone in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):
+        clone(torch.randn(2, 64, 64, requires_grad=True)).sum().backward()
+        assert az.capture_report(clone).compressed > 0
+    q2 = az.convert_model(q, bits=4, strategy="uniform")  # re-conversion: one capture only
+    assert len(q2._forward_pre_hooks) == 1 and len(q2._forward_hooks) == 1
+    plain = az.restore_model(q2)
+    assert not plain._forward_pre_hooks and not plain._forward_hooks
+    assert not hasattr(plain, "actnn_zoo_capture")
+
+
+def test_capturing_block_covers_the_loss():
+    torch.manual_seed(0)
+    model = az.convert_model(nn.Sequential(nn.Linear(64, 512)), bits=2, strategy="uniform")
+    x = torch.randn(256, 64)
+    y = torch.randint(0, 512, (256,))
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        F.cross_entropy(model(x), y)  # the loss outside the model: the plain op saves fp32
+    assert any(t.dtype == torch.float32 and t.shape == (256, 512) for t in seen)
+    with az.capturing(model) as stats:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert stats is not None and stats.compressed + sum(stats.routed.values()) >= 1
+    with pytest.raises(ValueError, match="not converted"):
+        with az.capturing(nn.Linear(2, 2)):
+            pass
