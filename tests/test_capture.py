@@ -425,3 +425,43 @@ def test_capturing_block_covers_the_loss():
     with pytest.raises(ValueError, match="not converted"):
         with az.capturing(nn.Linear(2, 2)):
             pass
+
+
+# ----------------------------------------------------------------------------- real models
+def _hf_models():
+    T = pytest.importorskip("transformers")
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64, bos_token_id=0,
+            eos_token_id=0)),
+        "bert": lambda: T.BertForMaskedLM(T.BertConfig(
+            intermediate_size=256, vocab_size=500, max_position_embeddings=64, **small)),
+        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(
+            intermediate_size=192, num_key_value_heads=2, vocab_size=500,
+            max_position_embeddings=64, **small)),
+        "vit": lambda: T.ViTForImageClassification(T.ViTConfig(
+            intermediate_size=256, image_size=32, patch_size=4, num_labels=10, **small)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "vit"])
+def test_transformers_models_save_8x_less_at_the_2_bit_default(name):
+    """Small configs, the default attention implementation, dropout on, the loss included."""
+    torch.manual_seed(0)
+    model = _hf_models()[name]().train()
+    g = torch.Generator().manual_seed(0)
+    if name == "vit":
+        x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        loss = lambda o: F.cross_entropy(o.logits, y)  # noqa: E731
+    else:
+        x = torch.randint(0, 500, (8, 64), generator=g)
+        y = torch.randint(0, 500, (8, 64), generator=g)
+        loss = lambda o: F.cross_entropy(o.logits.flatten(0, 1), y.flatten())  # noqa: E731
+    fp32 = saved_activation_bytes(model, x, loss_fn=loss).total_bytes
+    q = az.convert_model(copy.deepcopy(model))
+    small = saved_activation_bytes(q, x, loss_fn=loss)
+    assert fp32 / small.total_bytes >= 8, (name, fp32 / small.total_bytes,
+                                           az.capture_report(q), small.table(10))
+    q(x).logits.float().sum().backward()  # and it trains
+    assert all(torch.isfinite(p.grad).all() for p in q.parameters() if p.grad is not None)
