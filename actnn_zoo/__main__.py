@@ -86,8 +86,37 @@ def cmd_report(args: argparse.Namespace) -> int:
     ratio = ref.total_bytes / max(1, rep.total_bytes)
     print(f"\n{label}: {rep.mib:.3f} MiB in {rep.num_tensors} tensors "
           f"({', '.join(rep.dtypes)}); compression {ratio:.2f}x")
-    print(rep.table(args.top))
+    if args.mode != "bits":
+        print(rep.table(args.top))
+        return 0
+    print(_capture_table(other, ref, rep, args.top))
+    from .capture import capture_report
+
+    stats = capture_report(other)
+    if stats is not None:
+        print("\n" + str(stats))
     return 0
+
+
+def _capture_table(model: Any, ref: Any, rep: Any, top: int) -> str:
+    """Per module: fp32 bytes, converted bytes, what is still floating point, and which tier
+    compressed it (a Q-layer, or tiers 2-3 for what the module saves through functional calls
+    and plain ops)."""
+    from .nn import QModule
+
+    modules = dict(model.named_modules())
+    rows = []
+    for name in sorted(set(ref.module_bytes) | set(rep.module_bytes),
+                       key=lambda n: -ref.module_bytes.get(n, 0))[:top]:
+        mod = modules.get(name if name != "(model)" else "")
+        left = sum(v for k, v in rep.module_dtype_bytes.get(name, {}).items()
+                   if k in ("float32", "float16", "float64"))
+        tier = (f"Q-layer {type(mod).__name__}" if isinstance(mod, QModule)
+                else "tiers 2-3" if rep.module_bytes.get(name) else "-")
+        rows.append((name, f"{ref.module_bytes.get(name, 0) / 1024:.1f}",
+                     f"{rep.module_bytes.get(name, 0) / 1024:.1f}", f"{left / 1024:.1f}", tier))
+    return _table(("module", "fp32 KiB", "converted KiB", "still float KiB", "compressed by"),
+                  rows)
 
 
 # ------------------------------------------------------------------------------ bench ----

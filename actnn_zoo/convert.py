@@ -1,6 +1,6 @@
 """The float -> Q mapping, convert_model, restore_model, register_mapping.
 
-Design (DESIGN.md rules 1-2):
+Design (docs/design.md, rules 1-2):
 
 * No global registry. The default mapping is derived, at call time, from the Q classes that
   :mod:`actnn_zoo.nn` exports (every ``QModule`` subclass with a ``_FLOAT_MODULE``).

@@ -41,7 +41,7 @@ def saved_bytes(fn: Callable[[], Tensor], exclude: Iterable[Tensor] = ()) -> Tup
 
 
 def qbytes(shape: Sequence[int], bits: int, group_size: int = 256) -> int:
-    """What the DESIGN contract says a compressed tensor costs: dense codes per row plus a bf16
+    """What the contract (docs/design.md) says a compressed tensor costs: dense codes per row plus a bf16
     (lo, step) pair per group of ``group_size`` values of a row (row = sample = dim 0)."""
     shape = torch.Size(shape)
     n = shape[0] if len(shape) >= 2 else 1

@@ -11,7 +11,7 @@ from actnn_zoo.config import LayerQConfig
 
 
 def saved_bytes(fn: Callable[[], object]) -> Tuple[int, object]:
-    """Bytes of the distinct storages autograd saves while ``fn`` runs (DESIGN.md's measure)."""
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (docs/design.md, Measuring)."""
     storages: Dict[Tuple[int, str], int] = {}
 
     def pack(t: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""The quantization contract (DESIGN.md), tested through the public API on the active backend."""
+"""The quantization contract (docs/design.md), tested through the public API on the active backend."""
 import math
 
 import pytest

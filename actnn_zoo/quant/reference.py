@@ -4,7 +4,7 @@ The compiled kernels (``cpp_ext/``) must produce bit-identical codes and metadat
 functions for the same inputs and seed. Every step below is written as one fp32 operation at a
 time (no fused multiply-add) so that C++ compiled with ``-ffp-contract=off`` can match it.
 
-Layout (see ``DESIGN.md``, the quantization contract):
+Layout (see docs/design.md, the quantization contract):
 
 * ``x2d`` is ``(N, D)``: row ``n`` is sample ``n``. Each row is cut into ``G = ceil(D / group_size)``
   groups; the last group of a row may be shorter and its range covers only its own values.
