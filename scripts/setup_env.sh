@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
 # Creates .venv (once) with the CPU build of torch 2.13.0 and the package built in place.
 # Sourced by test.sh and demo.sh; safe to run again (it only installs what is missing).
+#
+# torch: the CPU build is asked for explicitly from PyTorch's CPU package index when that index
+# is reachable; where it is not (an offline mirror, a machine whose pip finds a local CPU wheel
+# first), the plain `pip install torch==2.13.0` is used. Nothing later may pull a CUDA build:
+# torch is installed first and alone, and later installs are pinned to it.
+# A failed build of the C++ extension fails this script (and so CI): no silent fallback.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+CPU_INDEX="${ACTNN_ZOO_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY="$ROOT/.venv/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first and alone, pinned: nothing later may pull a CUDA build.
-if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-  "$VPY" -m pip install -q "torch==2.13.0"
+quiet() { { grep -v "^WARNING: Location" || true; }; }  # keeps pip's exit status (pipefail)
+
+if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  if "$VPY" - "$CPU_INDEX" <<'EOF' 2>/dev/null; then
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)
+EOF
+    echo "setup_env: installing torch $TORCH_VERSION (CPU build) from $CPU_INDEX"
+    "$VPY" -m pip install -q --index-url "$CPU_INDEX" "torch==$TORCH_VERSION" 2>&1 | quiet
+  else
+    echo "setup_env: $CPU_INDEX not reachable; plain pip install torch==$TORCH_VERSION"
+    "$VPY" -m pip install -q "torch==$TORCH_VERSION" 2>&1 | quiet
+  fi
 fi
-"$VPY" -m pip install -q -r requirements-dev.txt "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+"$VPY" -m pip install -q -r requirements-dev.txt "torch==$TORCH_VERSION" 2>&1 | quiet
 # Build the C++ extension in place (rebuilds only when sources changed).
-if ! "$VPY" -c "import actnn_zoo._C" 2>/dev/null || [ -n "$(find cpp_ext setup.py -newer .venv/.az_built 2>/dev/null)" ] || [ ! -f .venv/.az_built ]; then
-  "$VPY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
-  "$VPY" -c "import actnn_zoo._C" && touch .venv/.az_built
+if [ ! -f .venv/.az_built ] || [ -n "$(find cpp_ext setup.py pyproject.toml -newer .venv/.az_built 2>/dev/null)" ] \
+    || ! "$VPY" -c "import actnn_zoo._C" 2>/dev/null; then
+  rm -f .venv/.az_built
+  "$VPY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | quiet
+  "$VPY" -c "import actnn_zoo._C" || { echo "setup_env: actnn_zoo._C does not import after the build" >&2; exit 1; }
+  touch .venv/.az_built
 fi

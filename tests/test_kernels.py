@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-_C = pytest.importorskip("actnn_zoo._C", reason="compiled extension actnn_zoo._C not built")
+from _ext import compiled_extension  # noqa: E402
+
+_C = compiled_extension()
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
