@@ -1,12 +1,23 @@
-"""BatchNorm (local and synchronised), LayerNorm and GroupNorm that save their input compressed.
+"""BatchNorm (local and synchronised), LayerNorm and GroupNorm that save their normalized input
+compressed.
 
 Forward runs the public ``aten::native_*_norm`` op on the real input: the same kernel torch's
 functional op ends in, so the output is torch's, and it also returns the statistics (mean and
-invstd / rstd) that backward needs. Saved: compress(x), the statistics (one pair per channel or
-per row, exact), the weight (a Parameter). Backward dequantizes x and calls the public
-``aten::native_*_norm_backward``. The weight gradient is linear in the saved input (the
-statistics are exact), hence unbiased; the input gradient is not (it is quadratic in the saved
-input), so it is only approximately unbiased.
+invstd / rstd) that backward needs. Saved: compress(x_hat) with x_hat = (x - mean) * invstd,
+the statistics (one pair per channel, row or group, exact), the weight (a Parameter). Backward
+rebuilds x = x_hat / invstd + mean and calls the public ``aten::native_*_norm_backward``.
+
+Why the normalized input: a quantization group holds 256 consecutive values, which mixes
+channels whenever a feature map has fewer positions than that (late CNN stages, batch 8:
+Inception-v3's 8x8 maps put 4 channels in a group). Compressing x, a narrow channel gets the
+step of a wide neighbour, and the backward multiplies that error by the narrow channel's
+1/std -- twice in the input gradient: 2-bit training diverged within 3 steps. x_hat has unit
+scale in every channel, so a step costs every channel the same.
+
+Bias: the weight gradient sum(grad_out * x_hat) is linear in the saved x_hat (the statistics
+are exact), hence unbiased under stochastic rounding. The input gradient has a term quadratic
+in x_hat (x_hat * mean(grad_out * x_hat)), so it is only approximately unbiased;
+tests/test_layers_norm.py measures that bias.
 """
 from __future__ import annotations
 
@@ -53,6 +64,30 @@ def _needs_saved_input(ctx, weight_index: int) -> bool:
     return ctx.needs_input_grad[0] or ctx.needs_input_grad[weight_index]
 
 
+def _per_channel(stat: Tensor, x: Tensor) -> Tensor:
+    """A (C,) statistic shaped to broadcast over (N, C, *spatial) (any memory format)."""
+    return stat.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def _per_group(stat: Tensor, x: Tensor, groups: int) -> Tensor:
+    """An (N, G) group-norm statistic expanded to (N, C, 1, ...) so it broadcasts over x."""
+    n, c = x.shape[0], x.shape[1]
+    return stat.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(
+        [n, c] + [1] * (x.dim() - 2))
+
+
+def _normalize(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
+    """x_hat = (x - mean) * invstd in float32 (float64 stays float64), x's memory format."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(work) - mean.to(work)).mul_(invstd.to(work))
+
+
+def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype) -> Tensor:
+    """x = x_hat / invstd + mean, cast to the compute dtype of the backward op."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return (x_hat.to(work) / invstd.to(work)).add_(mean.to(work)).to(dtype)
+
+
 # -- BatchNorm ----------------------------------------------------------------------------------
 def _bn_probe(x: Tensor) -> Tensor:
     e = x.new_empty((0, 1))
@@ -75,7 +110,10 @@ class BatchNormFunction(torch.autograd.Function):
         ctx.x_format = memory_format_of(x)
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
         ctx.compute_dtype = dt
-        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 1) else None
+        x_q = None
+        if _needs_saved_input(ctx, 1):
+            x_q = compress(_normalize(xc, _per_channel(mean, xc), _per_channel(invstd, xc)),
+                           qconfig, bits)
         save(ctx, x_q, mean, invstd, weight)
         return out
 
@@ -90,7 +128,10 @@ class BatchNormFunction(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             go = grad_out.to(dt)
             if x_q is not None:
-                x = restore(x_q).to(dt).contiguous(memory_format=ctx.x_format)
+                x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
+                x = _denormalize(x_hat, _per_channel(mean, x_hat), _per_channel(invstd, x_hat),
+                                 dt)
+                del x_hat
                 gi, gw, gb = torch.ops.aten.native_batch_norm_backward(
                     go, x, cast(weight, dt if dt != x_dtype else None), None, None, mean,
                     invstd, True, ctx.eps, [need_x, need_w, need_b])
@@ -157,7 +198,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.group = process_group
         ctx.x_format = memory_format_of(x)
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
-        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 1) else None
+        x_q = None
+        if _needs_saved_input(ctx, 1):
+            x_q = compress(_normalize(xc, _per_channel(mean, xc), _per_channel(invstd, xc)),
+                           qconfig, bits)
         save(ctx, x_q, mean, invstd, weight)
         return out
 
@@ -178,8 +222,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             if need_b:
                 gb = sum_dy
             if x_q is not None:
-                xmu = restore(x_q).float().contiguous(memory_format=ctx.x_format) - \
-                    mean.view(shape)
+                xmu = restore(x_q).float().contiguous(memory_format=ctx.x_format) / \
+                    invstd.view(shape)  # x - mean, from the saved normalized input
                 sum_dy_xmu = (go * xmu).sum(dims)
                 if need_w:
                     gw = sum_dy_xmu * invstd
@@ -207,7 +251,9 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.normalized_shape = shape
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
         ctx.compute_dtype = dt
-        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 2) else None
+        x_q = None
+        if _needs_saved_input(ctx, 2):
+            x_q = compress(_normalize(xc, mean, rstd), qconfig, bits)
         save(ctx, x_q, mean, rstd, weight, bias)
         return out
 
@@ -224,7 +270,7 @@ class LayerNormFunction(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             go = grad_out.to(dt)
             if x_q is not None:
-                x = restore(x_q).to(dt)
+                x = _denormalize(restore(x_q), mean, rstd, dt)
                 gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
                     go, x, ctx.normalized_shape, mean, rstd, cast(weight, to_dt),
                     cast(bias, to_dt), [need_x, need_w, need_b])
@@ -254,7 +300,10 @@ class GroupNormFunction(torch.autograd.Function):
         ctx.x_format = fmt
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
         ctx.compute_dtype = dt
-        x_q = compress(x, qconfig, bits) if _needs_saved_input(ctx, 2) else None
+        x_q = None
+        if _needs_saved_input(ctx, 2):
+            x_q = compress(_normalize(xc, _per_group(mean, xc, num_groups),
+                                      _per_group(rstd, xc, num_groups)), qconfig, bits)
         save(ctx, x_q, mean, rstd, weight)
         return out
 
@@ -272,7 +321,10 @@ class GroupNormFunction(torch.autograd.Function):
             # Like autograd's own rule: gradient and input in the input's memory format.
             go = grad_out.to(dt).contiguous(memory_format=ctx.x_format)
             if x_q is not None:
-                x = restore(x_q).to(dt).contiguous(memory_format=ctx.x_format)
+                x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
+                x = _denormalize(x_hat, _per_group(mean, x_hat, g), _per_group(rstd, x_hat, g),
+                                 dt).contiguous(memory_format=ctx.x_format)
+                del x_hat
                 gi, gw, gb = torch.ops.aten.native_group_norm_backward(
                     go, x, mean, rstd, cast(weight, dt if dt != x_dtype else None), n, c, hxw,
                     g, [need_x, need_w, need_b])
