@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import pickle
 import threading
+import warnings
 
 import pytest
 import torch
@@ -425,6 +426,80 @@ def test_capturing_block_covers_the_loss():
     with pytest.raises(ValueError, match="not converted"):
         with az.capturing(nn.Linear(2, 2)):
             pass
+
+
+def test_cross_entropy_routed_inside_capturing():
+    """The loss saves the compressed softmax (functional/loss.py), not the fp32 log-softmax."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 512))
+    x = torch.randn(256, 64)
+    y = torch.randint(0, 512, (256,))
+    ref.zero_grad()
+    F.cross_entropy(ref(x), y, label_smoothing=0.1).backward()
+    for bits, min_cos in ((8, 0.9999), (2, 0.99)):
+        q = az.convert_model(copy.deepcopy(ref), bits=bits, strategy="uniform")
+        with az.capturing(q) as stats:
+            loss = F.cross_entropy(q(x), y, label_smoothing=0.1)
+        loss.backward()
+        assert stats.routed.get("cross_entropy") == 1
+        # the bias gradient is the column sum of dL/dlogits: it reads only the loss's save
+        assert cos(q[0].bias.grad, ref[0].bias.grad) >= min_cos, bits
+    # what torch saves (log-softmax, 512 KiB) against the compressed softmax at 2 bits
+    loss_fn = lambda o: F.cross_entropy(o, y)  # noqa: E731
+    fp32 = saved_activation_bytes(ref, x, loss_fn=loss_fn).total_bytes
+    small = saved_activation_bytes(q, x, loss_fn=loss_fn).total_bytes
+    assert fp32 / small >= 8, (fp32, small)
+
+
+def test_cross_entropy_with_probability_targets_or_legacy_arguments_is_torchs():
+    torch.manual_seed(0)
+    q = az.convert_model(nn.Sequential(nn.Linear(16, 8)), bits=8, strategy="uniform")
+    x = torch.randn(32, 16)
+    for target, kw in ((torch.softmax(torch.randn(32, 8), -1), {}),
+                       (torch.randint(0, 8, (32,)), {"reduce": True})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's deprecation warning for reduce=
+            with az.capturing(q) as stats:
+                out = F.cross_entropy(q(x), target, **kw)
+            torch.testing.assert_close(out, F.cross_entropy(q(x), target, **kw))
+        assert "cross_entropy" not in stats.routed
+
+
+class _Attention(nn.Module):
+    def __init__(self, d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.heads = heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(
+            b, t, d)
+
+
+def test_attention_routed_with_at_least_four_bits():
+    """q, k, v compressed, the probabilities recomputed; 2-bit configs still get 4-bit q, k, v
+    (handlers.ATTENTION_MIN_BITS): what attention saves is the same at 2 and 4 bits."""
+    from actnn_zoo.capture.handlers import ATTENTION_MIN_BITS
+
+    assert ATTENTION_MIN_BITS == 4
+    torch.manual_seed(0)
+    ref = _Attention()
+    x = torch.randn(2, 128, 64)
+    out_r, g_r = _grads(ref, x)
+    q8 = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
+    out_q, g_q = _grads(q8, x)
+    torch.testing.assert_close(out_q, out_r, rtol=1e-5, atol=1e-6)
+    assert az.capture_report(q8).routed == {"scaled_dot_product_attention": 1}
+    for a, b in zip(g_r, g_q):
+        assert cos(a, b) >= 0.999
+    sizes = {}
+    for bits in (2, 4, 8):
+        q = az.convert_model(copy.deepcopy(ref), bits=bits, strategy="uniform")
+        sizes[bits] = saved_activation_bytes(q, x.clone().requires_grad_()).total_bytes
+    # from 2 to 4 bits only the Linear's input (2 x 128 x 64 values) grows, by 2 bits a value
+    assert sizes[4] - sizes[2] == 2 * 128 * 64 * 2 // 8 and sizes[4] < sizes[8], sizes
 
 
 # ----------------------------------------------------------------------------- real models

@@ -15,7 +15,16 @@ Routed, and why (what the op itself would save, and what the zoo saves instead):
   biased) -> the compressed derivative (unbiased);
 * layer_norm / group_norm / batch_norm (training): the input and per-row statistics (tier 3
   would compress both) -> compressed input, exact statistics;
-* dropout: a full float mask on CPU -> a 1-bit mask.
+* dropout: a full float mask on CPU -> a 1-bit mask;
+* cross_entropy (class-index targets): the fp32 log-softmax, [tokens, classes] -> the
+  compressed softmax with the target's entry removed, plus exact per-row coefficients
+  (``functional/loss.py``);
+* scaled_dot_product_attention: torch's fused kernels save q, k, v, the output and the
+  per-row log-sum-exp (the math path, taken on CPU with dropout, saves the L x S
+  probabilities) -> compressed q, k, v only, the probabilities recomputed and renormalized
+  in backward (``functional/attention.py``). Compressing the log-sum-exp, as tier 3 would, is
+  biased (``exp`` of rounding noise). Attention gets at least :data:`ATTENTION_MIN_BITS`:
+  measured there, 2-bit q, k carry twice the gradient's norm of noise per pass.
 
 Not routed on purpose: linear / addmm / matmul / bmm / mul save exactly their operands, and
 their backward is linear in each saved operand, so tier 3 compressing those operands (once,
@@ -30,7 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["HANDLERS", "Handler"]
+__all__ = ["ATTENTION_MIN_BITS", "HANDLERS", "Handler"]
+
+# The fewest bits routed attention saves q, k, v with (docs/design.md, "Capture"): the
+# softmax of compressed scores is biased, ~0.2 of the gradient at 2 bits, < 0.01 at 4.
+ATTENTION_MIN_BITS = 4
 
 Handler = Callable[[Any, Callable, Tuple, Dict[str, Any]], Any]
 _COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -204,6 +217,45 @@ def _dropout(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) 
     return D.dropout(x, float(p), bool(inplace))
 
 
+# -- loss and attention ---------------------------------------------------------------------
+def _cross_entropy(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    from ..functional import loss as L
+
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+             "reduction", "label_smoothing")
+    x = _arg(args, kwargs, 0, "input")
+    target = _arg(args, kwargs, 1, "target")
+    legacy = (_arg(args, kwargs, 3, "size_average", None) is not None
+              or _arg(args, kwargs, 5, "reduce", None) is not None)
+    if (legacy or not _only(args, kwargs, names) or not _saves(x) or type(target) is not Tensor
+            or target.dtype.is_floating_point):
+        return func(*args, **kwargs)
+    session.stats.route("cross_entropy")
+    return L.cross_entropy(x, target, _arg(args, kwargs, 2, "weight", None),
+                           ignore_index=int(_arg(args, kwargs, 4, "ignore_index", -100)),
+                           reduction=_arg(args, kwargs, 6, "reduction", "mean"),
+                           label_smoothing=float(_arg(args, kwargs, 7, "label_smoothing", 0.0)),
+                           qconfig=session.qconfig)
+
+
+def _attention(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    from ..functional import attention as A
+
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+    q, k, v = (_arg(args, kwargs, i, n, None) for i, n in enumerate(names[:3]))
+    if not _only(args, kwargs, names) or not any(_saves(t) for t in (q, k, v)):
+        return func(*args, **kwargs)
+    if not all(type(t) is Tensor and t.dtype in _COMPRESSIBLE for t in (q, k, v)):
+        return func(*args, **kwargs)
+    session.stats.route("scaled_dot_product_attention")
+    return A.scaled_dot_product_attention(
+        q, k, v, _arg(args, kwargs, 3, "attn_mask", None),
+        float(_arg(args, kwargs, 4, "dropout_p", 0.0)), bool(_arg(args, kwargs, 5, "is_causal", False)),
+        _arg(args, kwargs, 6, "scale", None), bool(_arg(args, kwargs, 7, "enable_gqa", False)),
+        qconfig=session.qconfig, bits=max(int(session.qconfig.bits), ATTENTION_MIN_BITS))
+
+
 def _table() -> Mapping[Callable, Handler]:
     t: Dict[Callable, Handler] = {}
     for fn in (F.softmax, torch.softmax, Tensor.softmax):
@@ -229,6 +281,8 @@ def _table() -> Mapping[Callable, Handler]:
     t[F.group_norm] = _group_norm
     t[F.batch_norm] = _batch_norm
     t[F.dropout] = _dropout
+    t[F.cross_entropy] = _cross_entropy
+    t[F.scaled_dot_product_attention] = _attention
     return MappingProxyType(t)
 
 

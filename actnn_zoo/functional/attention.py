@@ -1,0 +1,627 @@
+"""Scaled-dot-product attention that never saves (or holds) the L x S attention matrix.
+
+torch's math path for ``F.scaled_dot_product_attention`` saves the probabilities, ``L x S``
+values per head. This Function saves compressed ``q``, ``k`` and ``v`` only, and recomputes
+the probabilities tile by tile in backward, with public torch ops only, so the same code runs
+on CPU and CUDA:
+
+* **Forward** walks over tiles of (flattened batch x query rows), whole rows of ``S`` keys,
+  at most :data:`BLOCK_ELEMENTS` scores per tile (at least one row), in float32 (float64 for
+  float64 inputs): scores, scale, mask / causal, softmax, dropout, ``P @ v``. The peak is one
+  tile of scores plus its temporaries, never ``L x S`` per head.
+* **Saved** (through :func:`~actnn_zoo.functional._saving.save`): ``compress(q)``,
+  ``compress(k)`` and, when ``q`` or ``k`` needs a gradient, ``compress(v)``
+  (``qconfig.bits``, stochastic rounding; float64 inputs are compressed as float32, since
+  quantization holds up to float32 and its own error dwarfs the cast). With dropout, one int
+  seed on ``ctx``. Nothing with ``L x S`` elements is saved. At B=2, H=4, L=S=512, E=64 and
+  2 bits that is 3 x 69,632 = 208,896 bytes (the test checks it), against 8 MiB for the
+  float32 probabilities alone.
+* The attention mask is the caller's tensor: it is kept by reference on ``ctx`` (not copied,
+  not packed, not handed to saved-tensor hooks, so ``save_on_cpu`` never duplicates an
+  expanded mask); changing it in place before backward raises, as autograd does for saved
+  tensors. A **boolean mask** is therefore held at one byte per element for as long as the
+  graph lives, as the caller's own tensor; when it is a causal mask built per call,
+  ``is_causal=True`` costs nothing instead.
+* **Backward** is the exact gradient of attention at the dequantized ``q_hat, k_hat, v_hat``
+  (and the same dropout mask): per tile, ``P = softmax(q_hat k_hat^T * scale + mask)``
+  recomputed and normalized over its whole row, ``dV += (P*M)^T dO``, ``dP = dO v_hat^T * M``,
+  ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``, ``dQ = dS k_hat * scale``,
+  ``dK += dS^T q_hat * scale``.
+
+Why not FlashAttention's saved set (``q, k, v``, output ``o`` and the log-sum-exp)? Its
+backward needs ``lse`` and ``o`` because it also tiles over keys; here every tile holds whole
+rows, and with *compressed* ``q, k`` both hurt. ``exp(q_hat k_hat^T - lse)`` is not normalized:
+the rounding noise of the scores enters as ``E[exp(noise)] > 1`` (about ``exp(sigma^2/2)``, a
+factor of ~2 at 2 bits, heavy-tailed). Measured at the shapes of ``test_2bit_bias_floor``:
+the relative error of the mean of 256 compressed 2-bit dQ was 1.96 with the saved ``lse``,
+0.26 renormalized (4 bits: 0.040 vs 0.021). ``D = rowsum(dO * o_hat)`` from a saved output
+instead of ``rowsum(P * dP)`` gave a 1.35x larger one-pass error at 2 bits (2.6-2.9 vs
+1.9-2.1 x the gradient norm over two seeds and two shapes; 1.1x at 4 bits) for a slightly lower
+floor of the mean (0.21-0.25 vs 0.25-0.28), and costs a fourth compressed tensor. A training
+step sees one pass, so neither is saved; the per-row log-sum-exp would be an exact float32
+statistic worth keeping only for a key-tiled backward.
+
+**Bias.** ``dQ`` and ``dK`` are linear in the saved ``v``, and ``dV`` does not read it, but
+all three depend on ``q_hat, k_hat`` through the softmax, and ``E[softmax(s + noise)] !=
+softmax(s)``: averaging compressed backward passes converges to a biased gradient. At 2 bits
+the stochastic rounding noise of a 256-value group is about 0.8 of a unit-variance input's
+scale, so the scores' noise exceeds their spread. ``test_2bit_bias_floor`` (B=1, H=2,
+L=S=64, E=32, unit-normal q, k, v, a fixed dO; relative error ``||g - exact|| / ||exact||``
+of dQ / dK / dV; the mean of K=256 passes against the 1/sqrt(K) an unbiased estimate would
+reach; bias estimated as ``sqrt(e256^2 - e1^2 / 256)``):
+
+====== ==================== ==================== ==================== ==================
+ bits   one pass             mean of 256          1/sqrt(256) would be  bias (estimated)
+====== ==================== ==================== ==================== ==================
+ 2      2.07 / 2.18 / 1.30   0.25 / 0.26 / 0.16   0.13 / 0.14 / 0.08    0.21 / 0.22 / 0.14
+ 4      0.31 / 0.31 / 0.21   0.021/ 0.022/ 0.015  0.019/ 0.020/ 0.013   ~0.008
+ 8      0.018/ 0.018/ 0.012  0.001                0.001                 not measurable
+====== ==================== ==================== ==================== ==================
+
+So at 2 bits one backward pass carries about twice the gradient's norm of noise in dQ and dK
+and the bias floor is about a fifth of the gradient: attention is the place to spend more
+bits (4 bits: 0.3 per pass, bias < 0.01). At 8 bits the gradient cosine against exact
+autograd is about 0.99985 for dQ, dK (three independently rounded inputs, ~1% noise each),
+0.9999 for dV, and 0.99992 with round-to-nearest.
+
+**Dropout** (``dropout_p > 0``): the keep-mask is a counter-based hash of (seed, flat batch
+index, query row, key column) compared with ``(1 - p) 2^32`` (:func:`attention_dropout_mask`),
+so it is the same in forward and backward, independent of the tile size and identical on CPU
+and CUDA. The seed is one int drawn from torch's default CPU generator (as the quantizer's
+seeds are), so ``torch.manual_seed`` reproduces it. The stream is not torch's: with the same
+generator state torch's SDPA drops other entries. As in torch, dropout applies whenever
+``dropout_p > 0`` (SDPA has no training flag); ``dropout_p <= 0`` means none and
+``dropout_p == 1`` zeros the output.
+
+**Cost** (2 CPU threads, B=2, H=4, T=512, E=64, forward + backward, median of interleaved
+runs): 15 ms against 11.4 ms for torch's fused CPU kernel (which keeps q, k, v, output and
+log-sum-exp in float32), causal alike (a causal row tile reads only the keys up to its last
+row); with dropout 21 ms against 26.5 ms (torch's CPU dropout takes the math path and saves
+the probabilities). Peak above the inputs for one step at B=1, H=8, T=2048, causal (fresh
+process, VmHWM): ~90 MiB, torch's fused kernel ~63 MiB, the math path ~570 MiB.
+
+Second derivatives (``create_graph=True``) raise. A float mask that requires grad raises in
+backward (its gradient is not implemented; a silent ``None`` would be wrong). Without anything
+to differentiate (``no_grad``, or none of ``q, k, v`` requires grad) or with
+``qconfig.enabled=False``, :func:`scaled_dot_product_attention` is torch's own op.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..config import LayerQConfig
+from ..quant import Bits
+from ..quant.api import draw_seed
+from ._saving import compress, load, restore, save
+from .activation import no_double_backward
+
+__all__ = ["ScaledDotProductAttentionFunction", "scaled_dot_product_attention",
+           "attention_dropout_mask", "BLOCK_ELEMENTS"]
+
+# Scores per tile (flattened batch x query rows x keys): 2^20 float32 = 4 MiB. Forward holds
+# one or two tiles of float32 temporaries, backward about three; dropout adds two int32 tiles
+# while a tile's mask is drawn.
+BLOCK_ELEMENTS = 1 << 20
+
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}  # exp() still a normal number
+
+_M32 = 0xFFFFFFFF
+# murmur3's fmix32 multipliers as signed 32-bit values (c - 2^32).
+_C1 = 0x85EBCA6B - (1 << 32)
+_C2 = 0xC2B2AE35 - (1 << 32)
+_I32_MIN = -(1 << 31)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout: a counter-based hash, the same for any tiling and on any device
+# ----------------------------------------------------------------------------------------------
+def _fmix32_(x: Tensor, tmp: Optional[Tensor] = None) -> Tensor:
+    """murmur3's 32-bit finalizer, in place, on int32 tensors holding the 32 bits of each value
+    (two's complement). torch's int32 multiply wraps modulo 2^32 on CPU and CUDA, and the
+    logical shift is an arithmetic shift masked to the low bits (tests/test_attention.py
+    checks the result against Python ints). int32 is ~4x faster than the same in int64 (half
+    the memory traffic, and the shifts vectorise)."""
+    tmp = torch.empty_like(x) if tmp is None else tmp
+    torch.bitwise_right_shift(x, 16, out=tmp)
+    x ^= tmp.bitwise_and_(0xFFFF)
+    x.mul_(_C1)
+    torch.bitwise_right_shift(x, 13, out=tmp)
+    x ^= tmp.bitwise_and_(0x7FFFF)
+    x.mul_(_C2)
+    torch.bitwise_right_shift(x, 16, out=tmp)
+    x ^= tmp.bitwise_and_(0xFFFF)
+    return x
+
+
+def _fmix32_int(x: int) -> int:
+    """The same finalizer on a Python int (the reference, and the seed's own mixing)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def _as_int32(x: Tensor) -> Tensor:
+    """int64 values in [0, 2^32) -> int32 tensors with the same 32 bits."""
+    return torch.where(x >= (1 << 31), x - (1 << 32), x).to(torch.int32)
+
+
+class _Dropout:
+    """The keep-mask of one call. Element (n, l, j) of the (N, L, S) scores, with row index
+    ``r = n L + l``, is kept when, as unsigned 32-bit values,
+    ``fmix32(fmix32(fmix32((r mod 2^32) ^ s2) ^ (r >> 32)) ^ fmix32(j ^ s1)) < (1 - p) 2^32``
+    (``s1, s2`` mixed from the seed). The row and column hashes are bijections of their index,
+    so within a row no two keys share their random bits; the outer fmix32 breaks the xor's
+    structure between rows."""
+
+    def __init__(self, seed: int, p: float, L: int, S: int, device: torch.device) -> None:
+        self.L = L
+        # kept when the unsigned hash < threshold; compared as signed after flipping the sign
+        # bit (p > 0 here, so threshold <= 2^32 - 1 and threshold - 2^31 fits in int32)
+        threshold = min((1 << 32) - 1, max(0, int(round((1.0 - p) * 2.0 ** 32))))
+        self.signed_threshold = threshold - (1 << 31)
+        self.scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
+        s1 = _fmix32_int(seed ^ 0x9E3779B9)
+        self.s2 = _fmix32_int(seed ^ 0x68E31DA4)
+        col = torch.arange(S, dtype=torch.int64, device=device) ^ s1
+        self.col = _fmix32_(_as_int32(col))
+
+    def keep(self, n0: int, n1: int, r0: int, r1: int, cols: Optional[int] = None) -> Tensor:
+        """Bool (n1 - n0, r1 - r0, cols): which probabilities of the tile (keys below ``cols``,
+        default all) survive."""
+        dev = self.col.device
+        rows = (torch.arange(n0, n1, dtype=torch.int64, device=dev)[:, None] * self.L
+                + torch.arange(r0, r1, dtype=torch.int64, device=dev)[None, :])
+        h = _fmix32_(_as_int32((rows & _M32) ^ self.s2))
+        h = _fmix32_(h ^ _as_int32(rows >> 32))
+        x = h[..., None] ^ self.col[:cols]  # (nb, c, cols)
+        _fmix32_(x)
+        x ^= _I32_MIN  # unsigned order -> signed order
+        return x < self.signed_threshold
+
+
+def attention_dropout_mask(seed: int, batch_shape: Sequence[int], L: int, S: int, p: float,
+                           device: Optional[torch.device] = None) -> Tensor:
+    """The keep-mask (bool, ``(*batch_shape, L, S)``) that :func:`scaled_dot_product_attention`
+    uses for dropout probability ``p`` and ``seed``; ``batch_shape`` is the output's batch
+    shape (all dims but the last two). For tests and for reproducing a step by hand."""
+    n = math.prod(batch_shape)
+    drop = _Dropout(int(seed), float(p), L, S, torch.device("cpu") if device is None else device)
+    return drop.keep(0, n, 0, L).reshape(*batch_shape, L, S)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks (torch's messages where torch has one)
+# ----------------------------------------------------------------------------------------------
+def _check_inputs(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+                  mask_dtype: Optional[torch.dtype], dropout_p: float, is_causal: bool,
+                  enable_gqa: bool) -> None:
+    """Raise where torch raises (``mask_dtype``: the mask's dtype after autocast's cast)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be Tensor, "
+                            f"not {type(t).__name__}")
+        if t.is_nested or t.layout != torch.strided:
+            raise NotImplementedError(
+                f"actnn_zoo scaled_dot_product_attention: {name} is a nested or sparse tensor "
+                f"(layout {t.layout}); only dense tensors are supported while compressing "
+                "activations (set qconfig enabled=False)")
+    if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
+        raise RuntimeError(
+            "Expected query, key, and value to all be  at least 2 dimensional, but got "
+            f"query.dim: {query.dim()} key.dim: {key.dim()} and value.dim: {value.dim()} instead.")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise RuntimeError(
+            "Expected query, key, and value to have the same dtype, but got query.dtype: "
+            f"{query.dtype} key.dtype: {key.dtype} and value.dtype: {value.dtype} instead.")
+    if not query.dtype.is_floating_point:
+        raise RuntimeError(f"Expected query, key, and value to be floating point, got "
+                           f"{query.dtype}")
+    if not (query.device == key.device == value.device):
+        raise RuntimeError(
+            "Expected query, key, and value to have the same device type, but got query.device: "
+            f"{query.device} key.device: {key.device} and value.device: {value.device} instead.")
+    if dropout_p > 1.0:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
+    if query.shape[-1] != key.shape[-1]:
+        raise RuntimeError(f"query and key must have the same embedding size (last dim), got "
+                           f"{tuple(query.shape)} and {tuple(key.shape)}")
+    if key.shape[-2] != value.shape[-2]:
+        raise RuntimeError(f"key and value must have the same sequence length (dim -2), got "
+                           f"{tuple(key.shape)} and {tuple(value.shape)}")
+    kb, vb = list(key.shape[:-2]), list(value.shape[:-2])
+    if enable_gqa:
+        if query.dim() < 3 or key.dim() < 3 or value.dim() < 3:
+            raise RuntimeError("enable_gqa=True needs a head dimension (dim -3) in query, key "
+                               "and value")
+        hq = query.shape[-3]
+        for name, t, b in (("key", key, kb), ("value", value, vb)):
+            h = t.shape[-3]
+            if h == 0 or hq % h:
+                raise RuntimeError(
+                    "Number of heads in key and value must divide the number of heads in query "
+                    f"(query has {hq}, {name} has {h})")
+            b[-1] = hq  # repeat_interleave(hq // h, dim=-3)
+    qk = torch.broadcast_shapes(query.shape[:-2], torch.Size(kb))  # raises like matmul
+    torch.broadcast_shapes(qk, torch.Size(vb))
+    if attn_mask is not None:
+        if is_causal:
+            raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be "
+                               "set when is_causal=True")
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a Tensor or None, not {type(attn_mask).__name__}")
+        if mask_dtype not in (torch.bool, torch.float32, query.dtype):
+            raise RuntimeError(
+                "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                f"attn_mask.dtype: {mask_dtype} and  query.dtype: {query.dtype} instead.")
+        if attn_mask.device != query.device:
+            raise RuntimeError(f"attn_mask is on {attn_mask.device}, query on {query.device}")
+        if attn_mask.is_nested or attn_mask.layout != torch.strided:
+            raise NotImplementedError("actnn_zoo scaled_dot_product_attention: nested or sparse "
+                                      "attn_mask is not supported")
+        target = qk + (query.shape[-2], key.shape[-2])
+        if attn_mask.dim() < 2 or not _broadcasts_to(attn_mask.shape, target):
+            raise RuntimeError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
+                               f"to the attention scores' shape {tuple(target)}")
+
+
+def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexing the tiles: flat output batch index -> each operand's own batch index
+# ----------------------------------------------------------------------------------------------
+def _batch_index(batch: Sequence[int], out: Sequence[int], group: int,
+                 device: torch.device) -> Optional[Tensor]:
+    """For each flat index of the output batch ``out``, the flat index into a tensor of batch
+    shape ``batch`` whose last batch dim (heads) is repeated ``group`` times (GQA). None when
+    that is the identity (no broadcasting, no GQA): tiles are then plain slices."""
+    if tuple(batch) == tuple(out) and group == 1:
+        return None
+    base = torch.arange(math.prod(batch), device=device).reshape(tuple(batch))
+    if group > 1:
+        base = base.repeat_interleave(group, dim=-1)
+    return base.expand(tuple(out)).reshape(-1)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as (prod(batch), rows, cols); a view when its layout allows, else a copy."""
+    return t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1])
+
+
+def _take(flat: Tensor, index: Optional[Tensor], n0: int, n1: int) -> Tensor:
+    return flat[n0:n1] if index is None else flat[index[n0:n1]]
+
+
+class _Mask:
+    """Tiles of the attention mask, read from the caller's tensor without copying all of it.
+
+    Dims the mask was expanded along (stride 0) are narrowed to size 1, so an expanded
+    ``(B, H, L, S)`` view of a ``(B, 1, L, S)`` mask costs what the latter does; a tile is a
+    view when the mask does not vary over the batch, else one gather of the tile's size."""
+
+    def __init__(self, mask: Tensor, out_batch: torch.Size, L: int, S: int,
+                 round_to: Optional[torch.dtype]) -> None:
+        m = mask[(None,) * (len(out_batch) + 2 - mask.dim())]
+        for d in range(m.dim()):
+            if m.shape[d] > 1 and m.stride(d) == 0:
+                m = m.narrow(d, 0, 1)
+        self.m = m
+        self.is_bool = mask.dtype == torch.bool
+        self.round_to = round_to  # autocast: torch casts a float mask to the autocast dtype
+        self.full_rows = m.shape[-2] == L
+        nb = len(out_batch)
+        device = mask.device
+        self.coords: List[Optional[Tensor]] = []
+        n = math.prod(out_batch)
+        stride = 1
+        strides = []
+        for size in reversed(out_batch):
+            strides.append(stride)
+            stride *= size
+        strides.reverse()
+        flat = torch.arange(n, device=device) if any(m.shape[d] > 1 for d in range(nb)) else None
+        for d in range(nb):
+            if m.shape[d] > 1:
+                self.coords.append((flat // strides[d]) % out_batch[d])
+            else:
+                self.coords.append(None)
+
+    def tile(self, n0: int, n1: int, r0: int, r1: int) -> Tensor:
+        """(nb or 1, rows or 1, S or 1): the mask for output batch [n0, n1), rows [r0, r1)."""
+        m = self.m[..., r0:r1, :] if self.full_rows else self.m
+        if all(c is None for c in self.coords):
+            t = m[(0,) * len(self.coords)].unsqueeze(0)
+        else:
+            idx = tuple(torch.zeros((), dtype=torch.int64, device=m.device) if c is None
+                        else c[n0:n1] for c in self.coords)
+            t = m[idx]
+        if self.round_to is not None and not self.is_bool:
+            t = t.to(self.round_to)
+        return t
+
+    def apply_(self, s: Tensor, n0: int, n1: int, r0: int, r1: int) -> None:
+        """Add the mask to the scores: a float mask as it is, a boolean one as 0 / -inf."""
+        t = self.tile(n0, n1, r0, r1).to(s.dtype)
+        if self.is_bool:  # 1 -> 1 - 1/1 = 0, 0 -> 1 - 1/0 = -inf (masked_fill/where on a
+            t.reciprocal_().neg_().add_(1.0)  # bool is ~8x slower than this on CPU)
+        s.add_(t)
+
+
+def _causal_(s: Tensor, r0: int, r1: int) -> None:
+    """torch's is_causal: the top-left aligned lower triangle takes part (key j <= row i);
+    -inf is added above it (one (rows, S) bias, broadcast over the batch)."""
+    bias = torch.full(s.shape[-2:], float("-inf"), dtype=s.dtype, device=s.device)
+    s.add_(bias.triu_(r0 + 1))
+
+
+def _tiles(n: int, L: int, S: int, budget: int) -> Tuple[int, int]:
+    """(batch elements, rows) per tile: whole rows of S keys, rows first, <= budget scores."""
+    per_row = max(S, 1)
+    rows = max(1, min(L, budget // per_row))
+    batch = max(1, min(n, budget // (rows * per_row)))
+    return batch, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The Function
+# ----------------------------------------------------------------------------------------------
+class _Plan:
+    """Shapes, index maps and tile sizes of one call; rebuilt identically in backward."""
+
+    def __init__(self, qshape: torch.Size, kshape: torch.Size, vshape: torch.Size,
+                 gqa: bool, device: torch.device, budget: int) -> None:
+        self.out_batch = _output_batch(qshape, kshape, vshape, gqa)
+        self.N = math.prod(self.out_batch)
+        self.L, self.E = qshape[-2], qshape[-1]
+        self.S, self.Ev = kshape[-2], vshape[-1]
+        gk = qshape[-3] // kshape[-3] if gqa else 1
+        gv = qshape[-3] // vshape[-3] if gqa else 1
+        self.qi = _batch_index(qshape[:-2], self.out_batch, 1, device)
+        self.ki = _batch_index(kshape[:-2], self.out_batch, gk, device)
+        self.vi = _batch_index(vshape[:-2], self.out_batch, gv, device)
+        self.nb, self.nr = _tiles(self.N, self.L, self.S, budget)
+
+    def batch_tiles(self):
+        for n0 in range(0, self.N if self.S else 0, self.nb):
+            yield n0, min(self.N, n0 + self.nb)
+
+    def row_tiles(self):
+        for r0 in range(0, self.L, self.nr):
+            yield r0, min(self.L, r0 + self.nr)
+
+    def keys(self, r0: int, r1: int, is_causal: bool) -> int:
+        """Keys a row tile reads: with is_causal, rows below r1 see no key at or after r1."""
+        return min(self.S, r1) if is_causal else self.S
+
+
+def _output_batch(qshape: Sequence[int], kshape: Sequence[int], vshape: Sequence[int],
+                  gqa: bool) -> torch.Size:
+    kb, vb = list(kshape[:-2]), list(vshape[:-2])
+    if gqa:
+        kb[-1] = vb[-1] = qshape[-3]
+    return torch.broadcast_shapes(torch.Size(qshape[:-2]), torch.Size(kb), torch.Size(vb))
+
+
+def _probs(qs: Tensor, kt: Tensor, mask: Optional[_Mask], is_causal: bool,
+           n0: int, n1: int, r0: int, r1: int) -> Tensor:
+    """softmax(qs kt^T + mask) of one tile, normalized over its whole rows (a row with every key
+    masked gives zeros, as torch does). The one place forward and backward get P from."""
+    s = torch.bmm(qs, kt.transpose(1, 2))
+    if mask is not None:
+        mask.apply_(s, n0, n1, r0, r1)
+    if is_causal:
+        _causal_(s, r0, r1)
+    m = s.amax(-1, keepdim=True)
+    m.masked_fill_(m == float("-inf"), 0.0)
+    # exp(max(x, floor)) - exp(floor): exactly 0 for masked scores, any other value moved by
+    # < 2e-38 (in a row whose sum is >= 1); torch's CPU exp is ~6x slower on inputs whose
+    # result is 0 or subnormal, i.e. on every masked score.
+    floor = _EXP_FLOOR[s.dtype]
+    s.sub_(m).clamp_min_(floor).exp_().sub_(math.exp(floor))
+    return s.div_(s.sum(-1, keepdim=True).clamp_min(1.0))  # the sum is >= 1 unless all masked
+
+
+def _accumulate(dest: Tensor, index: Optional[Tensor], n0: int, n1: int, tile: Tensor) -> None:
+    """dest[own batch index of n] += tile[n - n0] for n in [n0, n1) (sums broadcast / GQA)."""
+    if index is None:
+        dest[n0:n1] += tile
+    else:
+        dest.index_add_(0, index[n0:n1], tile)
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off inside the Function (its math is float32 by design); a no-op when off."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ScaledDotProductAttentionFunction(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` saving compressed q, k, v; see the module docstring.
+
+    Arguments after ``enable_gqa``: ``qconfig``, ``bits`` (as for every zoo Function),
+    ``mask_round`` (the dtype autocast would cast a float mask to, else None) and ``block``
+    (scores per tile). Use :func:`scaled_dot_product_attention`, which checks the inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+                dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                qconfig: LayerQConfig, bits: Optional[Bits], mask_round: Optional[torch.dtype],
+                block: int) -> Tensor:
+        dev = query.device
+        work = _work_dtype(query.dtype)
+        plan = _Plan(query.shape, key.shape, value.shape, enable_gqa, dev, block)
+        L, S = plan.L, plan.S
+        if scale is None:
+            scale = 1.0 / math.sqrt(plan.E) if plan.E else float("inf")  # E = 0: no scores
+        seed = draw_seed() if dropout_p > 0 else None
+        drop = _Dropout(seed, dropout_p, L, S, dev) if seed is not None else None
+        mask = (_Mask(attn_mask, plan.out_batch, L, S, mask_round)
+                if attn_mask is not None else None)
+        q, k, v = _rows(query), _rows(key), _rows(value)
+        # S == 0: softmax over no keys, torch gives zeros (the tile loops do not run)
+        out = (torch.empty if S else torch.zeros)(plan.N, L, plan.Ev, dtype=query.dtype,
+                                                  device=dev)
+        with _no_autocast(dev):
+            for n0, n1 in plan.batch_tiles():
+                kt = _take(k, plan.ki, n0, n1).to(work)
+                vt = _take(v, plan.vi, n0, n1).to(work)
+                qb = _take(q, plan.qi, n0, n1)
+                for r0, r1 in plan.row_tiles():
+                    ke = plan.keys(r0, r1, is_causal)
+                    p = _probs(qb[:, r0:r1].to(work) * scale, kt[:, :ke], mask, is_causal,
+                               n0, n1, r0, r1)
+                    if drop is not None:
+                        p.mul_(drop.keep(n0, n1, r0, r1, ke))
+                    o = torch.bmm(p, vt[:, :ke])
+                    out[n0:n1, r0:r1] = o if drop is None else o.mul_(drop.scale)
+                    del p, o
+        out = out.reshape(*plan.out_batch, L, plan.Ev)
+
+        need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+
+        def comp(t: Tensor) -> object:
+            return compress(t if t.dtype != torch.float64 else t.float(), qconfig, bits)
+
+        save(ctx, comp(query), comp(key), comp(value) if need_qk else None)
+        ctx.attn_mask = attn_mask  # a reference to the caller's tensor, never a copy
+        ctx.mask_version = attn_mask._version if attn_mask is not None else None
+        ctx.args = (dropout_p, is_causal, scale, enable_gqa, mask_round, block, seed)
+        ctx.dtypes = (query.dtype, key.dtype, value.dtype)
+        ctx.vshape = value.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        no_double_backward("scaled_dot_product_attention")
+        if ctx.needs_input_grad[3]:
+            raise NotImplementedError(
+                "actnn_zoo scaled_dot_product_attention: the gradient of a float attn_mask that "
+                "requires grad is not implemented (the compressed backward computes dQ, dK and "
+                "dV only). Detach the mask, or use torch's F.scaled_dot_product_attention "
+                "(qconfig enabled=False) for this call.")
+        attn_mask = ctx.attn_mask
+        if attn_mask is not None and attn_mask._version != ctx.mask_version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace operation: the attn_mask of actnn_zoo scaled_dot_product_attention is "
+                f"at version {attn_mask._version}; expected version {ctx.mask_version} instead.")
+        qc, kc, vc = load(ctx)
+        dropout_p, is_causal, scale, enable_gqa, mask_round, block, seed = ctx.args
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        dev = grad_out.device
+        work = _work_dtype(q_dtype)
+        vshape = ctx.vshape
+        plan = _Plan(qc.shape, kc.shape, vshape, enable_gqa, dev, block)
+        L, S, Ev = plan.L, plan.S, plan.Ev
+        drop = _Dropout(seed, dropout_p, L, S, dev) if seed is not None else None
+        mask = (_Mask(attn_mask, plan.out_batch, L, S, mask_round)
+                if attn_mask is not None else None)
+        q, k = _rows(restore(qc)), _rows(restore(kc))
+        v = _rows(restore(vc)) if vc is not None else None  # saved when dQ or dK is needed
+        go = _rows(grad_out)
+
+        dq = torch.zeros(q.shape, dtype=work, device=dev) if need_q else None
+        dk = torch.zeros(k.shape, dtype=work, device=dev) if need_k else None
+        dv = (torch.zeros(math.prod(vshape[:-2]), S, Ev, dtype=work, device=dev)
+              if need_v else None)
+        with _no_autocast(dev):
+            for n0, n1 in plan.batch_tiles():
+                kt = _take(k, plan.ki, n0, n1).to(work)
+                qb = _take(q, plan.qi, n0, n1)
+                vt = _take(v, plan.vi, n0, n1).to(work) if v is not None else None
+                dkt = torch.zeros_like(kt) if need_k else None
+                dvt = torch.zeros(n1 - n0, S, Ev, dtype=work, device=dev) if need_v else None
+                for r0, r1 in plan.row_tiles():
+                    ke = plan.keys(r0, r1, is_causal)
+                    qs = qb[:, r0:r1].to(work) * scale
+                    kk = kt[:, :ke]
+                    p = _probs(qs, kk, mask, is_causal, n0, n1, r0, r1)
+                    keep = drop.keep(n0, n1, r0, r1, ke) if drop is not None else None
+                    g = go[n0:n1, r0:r1].to(work)
+                    if drop is not None:  # dropout's 1 / (1 - p) rides on dO (not in place:
+                        g = g * drop.scale  # g may be a view of grad_out)
+                    if need_v:  # dV = (P * M)^T dO
+                        dvt[:, :ke].baddbmm_((p if keep is None else p * keep).transpose(1, 2), g)
+                    if need_q or need_k:
+                        dp = torch.bmm(g, vt[:, :ke].transpose(1, 2))
+                        if keep is not None:
+                            dp.mul_(keep)
+                        ds = dp.mul_(p)  # dS = P * (dP - D), D = rowsum(P * dP), in dP's memory
+                        ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1.0)
+                        del p
+                        if need_q:
+                            _accumulate(dq[:, r0:r1], plan.qi, n0, n1,
+                                        torch.bmm(ds, kk).mul_(scale))
+                        if need_k:
+                            dkt[:, :ke].baddbmm_(ds.transpose(1, 2), qs)  # qs carries the scale
+                        del ds, dp
+                if need_k:
+                    _accumulate(dk, plan.ki, n0, n1, dkt)
+                if need_v:
+                    _accumulate(dv, plan.vi, n0, n1, dvt)
+        gq = dq.reshape(qc.shape).to(q_dtype) if need_q else None
+        gk = dk.reshape(kc.shape).to(k_dtype) if need_k else None
+        gv = dv.reshape(vshape).to(v_dtype) if need_v else None
+        return (gq, gk, gv) + (None,) * 9
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False, *,
+                                 qconfig: Optional[LayerQConfig] = None,
+                                 bits: Optional[Bits] = None) -> Tensor:
+    """``F.scaled_dot_product_attention`` (same arguments, shapes, masks, errors and autocast
+    dtype) saving compressed q, k, v for a backward that recomputes the probabilities.
+
+    Under autocast, q, k and v are cast to the autocast dtype as torch does (a float mask is
+    rounded to it tile by tile, without a copy) and the math stays float32. Without anything to
+    differentiate, or with ``qconfig.enabled=False``, this is torch's own op (its kernels and
+    its dropout stream).
+    """
+    qconfig = LayerQConfig() if qconfig is None else qconfig
+    mask_round: Optional[torch.dtype] = None
+    mask_dtype = attn_mask.dtype if isinstance(attn_mask, Tensor) else None
+    if isinstance(query, Tensor):
+        dev_type = query.device.type
+        if dev_type in ("cpu", "cuda") and torch.is_autocast_enabled(dev_type):
+            ac = torch.get_autocast_dtype(dev_type)
+
+            def eligible(t: object) -> bool:  # autocast's rule: floating, not float64, on device
+                return (isinstance(t, Tensor) and t.is_floating_point()
+                        and t.dtype != torch.float64 and t.device.type == dev_type)
+
+            query, key, value = (t.to(ac) if eligible(t) else t for t in (query, key, value))
+            if eligible(attn_mask):
+                mask_round, mask_dtype = ac, ac
+    _check_inputs(query, key, value, attn_mask, mask_dtype, float(dropout_p), bool(is_causal),
+                  bool(enable_gqa))
+    wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                              or value.requires_grad)
+    if not qconfig.enabled or not wants_grad:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                              is_causal, scale=scale, enable_gqa=enable_gqa)
+    p = float(dropout_p) if dropout_p > 0 else 0.0  # torch: dropout_p <= 0 is no dropout
+    return ScaledDotProductAttentionFunction.apply(
+        query, key, value, attn_mask, p, bool(is_causal),
+        None if scale is None else float(scale), bool(enable_gqa), qconfig, bits, mask_round,
+        BLOCK_ELEMENTS)
