@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 MiB = 2 ** 20
 
@@ -68,11 +68,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     import torch
 
     kwargs = _model_kwargs(args.model_kwargs)
-    batch = args.batch or DEFAULT_BATCH.get(args.model, 32)
     torch.manual_seed(0)
-    model = build_model(args.model, **kwargs).train()
-    x, y = example_batch(args.model, batch, kwargs)
-    loss = workload(args.model).loss
+    if ":" in args.model:
+        model, x, loss, y = _imported_workload(args, kwargs)
+        batch = x.shape[0]
+    else:
+        batch = args.batch or DEFAULT_BATCH.get(args.model, 32)
+        model = build_model(args.model, **kwargs).train()
+        x, y = example_batch(args.model, batch, kwargs)
+        loss = workload(args.model).loss
     ref = saved_activation_bytes(model, x, loss_fn=lambda o: loss(o, y))
     print(f"{args.model}, batch {batch}: fp32 saves {ref.mib:.3f} MiB in {ref.num_tensors} "
           f"tensors ({', '.join(ref.dtypes)}); {ref.num_param_refs} parameter references "
@@ -96,6 +100,46 @@ def cmd_report(args: argparse.Namespace) -> int:
     if stats is not None:
         print("\n" + str(stats))
     return 0
+
+
+def _imported_workload(args: argparse.Namespace, kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    """``--model module:callable``: any importable model factory, a random batch of
+    ``--input-shape`` (floats, or token ids below ``--vocab``) and cross-entropy on its
+    output's last dimension (``.logits`` when the output has it) against random targets."""
+    import importlib
+
+    import torch
+    import torch.nn.functional as F
+
+    module_name, _, attr = args.model.partition(":")
+    try:
+        factory = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"--model {args.model}: cannot import it ({exc})") from None
+    if not callable(factory):
+        raise SystemExit(f"--model {args.model}: {attr} is not callable")
+    model = factory(**kwargs).train()
+    shape = _ints(args.input_shape) if args.input_shape else None
+    if not shape:
+        raise SystemExit("--model module:callable needs --input-shape, e.g. 8,3,224,224")
+    if args.batch:
+        shape[0] = args.batch
+    x = (torch.randint(0, args.vocab, shape) if args.vocab else torch.randn(shape))
+
+    def logits(out: Any) -> Any:
+        out = getattr(out, "logits", out)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    with torch.no_grad():
+        classes = logits(model(x)).shape[-1]
+    y = torch.randint(0, classes, logits(model(x)).shape[:-1])
+
+    def loss(out: Any, target: Any) -> Any:
+        o = logits(out)
+        return F.cross_entropy(o.reshape(-1, o.shape[-1]).float(), target.reshape(-1))
+    return model, x, loss, y
 
 
 def _capture_table(model: Any, ref: Any, rep: Any, top: int) -> str:
@@ -308,7 +352,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
 
 
+def _model_name(models: Sequence[str]) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        if text in models or ":" in text:
+            return text
+        raise argparse.ArgumentTypeError(
+            f"unknown model {text!r}: one of {', '.join(models)}, or module:callable")
+    return check
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .config import STRATEGIES
     from .models import WORKLOADS
 
     models = sorted(WORKLOADS)
@@ -317,11 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("report", help="saved-activation bytes per module, fp32 vs converted")
-    p.add_argument("--model", default="resnet", choices=models)
+    p.add_argument("--model", default="resnet", type=_model_name(models),
+                   help=f"one of {', '.join(models)}, or module:callable (any importable "
+                        "model factory, e.g. torchvision.models:resnet18; with --input-shape)")
+    p.add_argument("--input-shape", default=None,
+                   help="module:callable models: comma list, e.g. 8,3,224,224")
+    p.add_argument("--vocab", type=int, default=0,
+                   help="module:callable models: token ids below this instead of floats")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--mode", default="bits", choices=("fp32", "bits", "checkpoint"))
     p.add_argument("--bits", type=int, default=None, help="override the config's width")
-    p.add_argument("--strategy", default=None, help="precision strategy for convert_model")
+    p.add_argument("--strategy", default=None, choices=STRATEGIES,
+                   help="precision strategy for convert_model")
     p.add_argument("--top", type=int, default=20, help="modules to list")
     _common(p)
     p.set_defaults(func=cmd_report)
@@ -330,9 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=",".join(BENCH_MODELS),
                    help=f"comma list of {', '.join(models)}")
     p.add_argument("--bits", default="1,2,4,8", help="comma list of bit widths")
-    p.add_argument("--strategy", default=None,
-                   help="also a row with convert_model(strategy=...), e.g. auto")
-    p.add_argument("--bits-strategy", default="uniform",
+    p.add_argument("--strategy", default=None, choices=STRATEGIES,
+                   help="also a row with convert_model(strategy=...), e.g. actnn")
+    p.add_argument("--bits-strategy", default="uniform", choices=("",) + STRATEGIES,
                    help="strategy for the --bits rows ('' = the config's default)")
     p.add_argument("--batch", type=int, default=None, help="one batch for all models "
                    f"(default per model: {DEFAULT_BATCH})")
@@ -354,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "means: until a real out-of-memory error")
     p.add_argument("--modes", default="fp32,bits,checkpoint")
     p.add_argument("--bits", type=int, default=2)
-    p.add_argument("--strategy", default="uniform",
+    p.add_argument("--strategy", default="uniform", choices=("",) + STRATEGIES,
                    help="precision strategy for the bits mode ('' = the config's default)")
     p.add_argument("--start", type=int, default=64, help="first batch tried (then doubling)")
     p.add_argument("--limit", type=int, default=1 << 17, help="largest batch tried")

@@ -1,7 +1,6 @@
 """Smoke runs of the demo's training functions, data loaders, table and CLI (a few steps each)."""
 from __future__ import annotations
 
-import importlib.util
 import statistics
 
 import pytest
@@ -11,7 +10,6 @@ from actnn_zoo.data import load_digits_data, load_text_corpus, sequential_window
 from actnn_zoo.demo import (COLUMNS, DigitsSetup, TextSetup, format_table, run_task,
                             train_digits, train_text)
 
-HAVE_CONVERTER = importlib.util.find_spec("actnn_zoo.convert") is not None
 TINY_DIGITS = DigitsSetup(epochs=2, batch_size=64, width=8, lr=0.05)
 TINY_TEXT = TextSetup(steps=30, batch_size=16, context=32, d_model=32, n_heads=2, n_layers=1,
                       num_chars=50_000, eval_windows=32)
@@ -75,7 +73,6 @@ def test_checkpoint_mode_same_start_and_data_order(digits):
     assert a.losses[0] == pytest.approx(b.losses[0], rel=1e-5)
 
 
-@pytest.mark.skipif(not HAVE_CONVERTER, reason="converter not available yet")
 def test_train_digits_2bit_learns(digits):
     r = train_digits("bits", TINY_DIGITS, seed=0, data=digits, max_steps=24, progress=False)
     assert _decreases(r.losses)
@@ -90,7 +87,7 @@ def test_train_text_learns(corpus):
 
 
 def test_run_task_table_fields(digits):
-    modes = ["fp32", "checkpoint"] + (["bits"] if HAVE_CONVERTER else [])
+    modes = ["fp32", "checkpoint", "bits"]
     small = DigitsSetup(epochs=1, batch_size=128, width=8)
     rows = run_task("digits", modes, [0], None, None, small, TINY_TEXT, peak=False,
                     mem_batch=None, progress=False, timing_steps=6)
@@ -101,8 +98,7 @@ def test_run_task_table_fields(digits):
         assert r.metric_name == "acc%" and 0 <= r.metric <= 100
         assert r.saved_mib > 0 and r.step_ms > 0 and r.curve
     assert rows[1].ratio > 1.5  # checkpointing keeps only block inputs
-    if HAVE_CONVERTER:
-        assert rows[2].ratio > 5
+    assert rows[2].ratio > 5
     table = format_table(rows)
     for col in COLUMNS:
         assert col in table
@@ -130,18 +126,45 @@ def test_cli_report_runs(capsys):
     assert "fp32 saves" in out and "compression" in out
 
 
-@pytest.mark.skipif(not HAVE_CONVERTER, reason="converter not available yet")
-def test_cli_bench_rows_and_error_row(capsys, tmp_path):
+def test_cli_bench_rows(capsys, tmp_path):
     from actnn_zoo.__main__ import main
 
     out_json = tmp_path / "bench.json"
     assert main(["bench", "--models", "conv1d", "--bits", "2", "--batch", "8", "--no-peak",
-                 "--no-checkpoint", "--strategy", "no-such-strategy", "--json",
-                 str(out_json)]) == 0
+                 "--no-checkpoint", "--strategy", "actnn", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "conv1d" in out and "2-bit" in out
     import json
 
     rows = json.loads(out_json.read_text())["rows"]
     assert rows[0]["mode"] == "fp32" and rows[1]["saved_ratio"] > 5
-    assert "error" in rows[2]  # an unknown strategy is an error row, not a crash
+    assert rows[2]["saved_ratio"] > 5 and "error" not in rows[2]
+
+
+@pytest.mark.parametrize("argv", [["bench", "--strategy", "no-such-strategy"],
+                                  ["max-batch", "--strategy", "auto"],
+                                  ["report", "--model", "no-such-model"]])
+def test_cli_unknown_names_are_one_line_errors_with_exit_code_2(argv, capsys):
+    from actnn_zoo.__main__ import main
+    from actnn_zoo.config import STRATEGIES
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert argv[-1] in err and "error" in err
+    if "--strategy" in argv:
+        assert all(name in err for name in STRATEGIES)  # the registered names, none stale
+
+
+def test_cli_report_of_an_importable_model_factory(capsys):
+    from actnn_zoo.__main__ import main
+
+    assert main(["report", "--model", "torch.nn:Sequential", "--input-shape", "8,3,16,16",
+                 "--bits", "2", "--strategy", "uniform", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.nn:Sequential, batch 8" in out
+    with pytest.raises(SystemExit, match="needs --input-shape"):
+        main(["report", "--model", "torch.nn:Sequential"])
+    with pytest.raises(SystemExit, match="cannot import"):
+        main(["report", "--model", "no_such_module:f", "--input-shape", "2,2"])
