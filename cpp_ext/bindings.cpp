@@ -1,8 +1,14 @@
 // Python bindings of actnn_zoo._C: each function checks that its tensors share one device and
 // sends the call to the CPU or CUDA kernel (kernels.h); the kernels check everything else.
+//
+// Each call opens a profiler scope named "actnn_zoo::<function>" (RECORD_USER_SCOPE), so the
+// kernels show up in torch.profiler tables like operators do. With no profiler running that is
+// one check of a flag, unlike a Python `record_function`, which costs an operator call each time.
 #include "kernels.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
+#include <pybind11/stl.h>
 
 namespace py = pybind11;
 
@@ -28,6 +34,7 @@ void check_same_device(const at::Tensor& ref, const char* ref_name,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t group_size, int64_t seed, bool stochastic) {
+  RECORD_USER_SCOPE("actnn_zoo::quantize");
   check_same_device(x2d, "x2d", {{&bits, "bits"}, {&offsets, "offsets"}});
   if (x2d.device().is_cpu()) {
     return actnn_zoo::quantize_cpu(x2d, bits, offsets, total, group_size, seed, stochastic);
@@ -44,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                       const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                       at::Tensor out) {
+  RECORD_USER_SCOPE("actnn_zoo::dequantize");
   check_same_device(out, "out", {{&data, "data"}, {&lo, "lo"}, {&step, "step"},
                                  {&bits, "bits"}, {&offsets, "offsets"}});
   if (out.device().is_cpu()) {
@@ -59,6 +67,7 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& lo, const at::Te
 }
 
 at::Tensor pack_mask(const at::Tensor& mask) {
+  RECORD_USER_SCOPE("actnn_zoo::pack_mask");
   if (mask.device().is_cpu()) return actnn_zoo::pack_mask_cpu(mask);
 #ifdef ACTNN_ZOO_CUDA
   if (mask.is_cuda()) {
@@ -70,6 +79,7 @@ at::Tensor pack_mask(const at::Tensor& mask) {
 }
 
 at::Tensor unpack_mask(const at::Tensor& packed, int64_t numel) {
+  RECORD_USER_SCOPE("actnn_zoo::unpack_mask");
   if (packed.device().is_cpu()) return actnn_zoo::unpack_mask_cpu(packed, numel);
 #ifdef ACTNN_ZOO_CUDA
   if (packed.is_cuda()) {
@@ -78,6 +88,30 @@ at::Tensor unpack_mask(const at::Tensor& packed, int64_t numel) {
   }
 #endif
   no_kernel("unpack_mask", packed);
+}
+
+at::Tensor masked_grad(const at::Tensor& grad, const at::Tensor& packed,
+                       std::optional<double> on, std::optional<double> off) {
+  RECORD_USER_SCOPE("actnn_zoo::masked_grad");
+  check_same_device(grad, "grad", {{&packed, "packed"}});
+  if (grad.device().is_cpu()) return actnn_zoo::masked_grad_cpu(grad, packed, on, off);
+#ifdef ACTNN_ZOO_CUDA
+  if (grad.is_cuda()) {
+    const c10::DeviceGuard guard(grad.device());
+    return actnn_zoo::masked_grad_cuda(grad, packed, on, off);
+  }
+#endif
+  no_kernel("masked_grad", grad);
+}
+
+at::Tensor range_statistic(const at::Tensor& x2d, int64_t group_size) {
+  RECORD_USER_SCOPE("actnn_zoo::range_statistic");
+  return actnn_zoo::range_statistic_cpu(x2d, group_size);
+}
+
+at::Tensor allocate_widths(const at::Tensor& score, double extra) {
+  RECORD_USER_SCOPE("actnn_zoo::allocate_widths");
+  return actnn_zoo::allocate_widths_cpu(score, extra);
 }
 
 }  // namespace
@@ -98,11 +132,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Contiguous bool tensor -> ceil(n / 8) uint8, element i at bit i % 8 of byte i // 8.");
   m.def("unpack_mask", &unpack_mask, nogil, py::arg("packed"), py::arg("numel"),
         "Inverse of pack_mask: a 1-d bool tensor of numel values.");
-  m.def("range_statistic", &actnn_zoo::range_statistic_cpu, nogil, py::arg("x2d"),
+  m.def("masked_grad", &masked_grad, nogil, py::arg("grad"), py::arg("packed"),
+        py::arg("on") = py::none(), py::arg("off") = py::none(),
+        "Fused backward of a 1-bit mask: contiguous grad (float32/float64/float16/bfloat16) and "
+        "its pack_mask bits -> contiguous grad_in; where the bit is set grad (on=None) or "
+        "grad * on, elsewhere +0.0 (off=None) or grad * off, bit-identical to torch.where.");
+  m.def("range_statistic", &range_statistic, nogil, py::arg("x2d"),
         py::arg("group_size"),
         "CPU only: (N,) float32, per row the sum over its groups of len * (max - min)^2; a group "
         "holding NaN or Inf counts 0.");
-  m.def("allocate_widths", &actnn_zoo::allocate_widths_cpu, nogil, py::arg("score"),
+  m.def("allocate_widths", &allocate_widths, nogil, py::arg("score"),
         py::arg("extra"),
         "CPU only: uint8 widths in {1, 2, 4, 8} minimising sum score / (2^b - 1)^2 with at most "
         "`extra` bits above 1 each (precision.solver.allocate_samples).");

@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace actnn_zoo {
@@ -50,6 +51,13 @@ at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel);
 // actnn_zoo/precision): (N,) float32 per-sample sum over groups of len * range^2 of a contiguous
 // (N, D) float tensor; and uint8 widths in {1, 2, 4, 8} for float32 scores under `extra` bits
 // above 1 each (bit-identical to actnn_zoo.precision.solver.allocate_samples).
+// Fused backward of the 1-bit-mask layers (ReLU family, Dropout): grad contiguous float32/
+// float64/float16/bfloat16 of n values, packed ceil(n / 8) bytes as pack_mask writes them.
+// Element i: bit set -> grad (on empty) or grad * on; clear -> +0.0 (off empty) or grad * off,
+// products in float32 for the 16-bit types (float64 for float64), rounded to nearest even:
+// bit-identical to torch.where(mask, grad, 0 / grad * off) and grad * noise. Contiguous result.
+at::Tensor masked_grad_cpu(const at::Tensor& grad, const at::Tensor& packed,
+                           std::optional<double> on, std::optional<double> off);
 at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size);
 at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra);
 
@@ -62,6 +70,8 @@ at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const a
                            at::Tensor& out);
 at::Tensor pack_mask_cuda(const at::Tensor& mask);
 at::Tensor unpack_mask_cuda(const at::Tensor& packed, int64_t numel);
+at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
+                            std::optional<double> on, std::optional<double> off);
 #endif
 
 }  // namespace actnn_zoo

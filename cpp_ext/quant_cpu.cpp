@@ -24,6 +24,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(__GNUC__)
 #define AZ_INLINE inline __attribute__((always_inline))
@@ -471,6 +474,33 @@ void dequantize_impl(const uint8_t* data, const uint16_t* lo, const uint16_t* st
 }
 
 // ---------------------------------------------------------------------------------------------
+// Page backing of large outputs
+// ---------------------------------------------------------------------------------------------
+// A freshly allocated output of tens of MiB is first touched by our stores, and on Linux every
+// 4 KiB page costs a fault that zeroes it: for a 64 MiB dequantize that is ~16K faults, 3-4x the
+// time of the stores themselves (the kernel runs at copy_ bandwidth into touched memory). Asking
+// for transparent huge pages on the 2 MiB-aligned interior of the buffer (what torch does for
+// every allocation under THP_MEM_ALLOC_ENABLE=1, here only for our own outputs) makes that 32
+// faults. Advice only: where THP is off or no huge page is free the kernel falls back to 4 KiB
+// pages, and memory already touched is left as it is. Outputs are written completely, so no
+// huge page is backed by memory nobody uses.
+constexpr int64_t kHugePage = int64_t{1} << 21;
+constexpr int64_t kAdviseMin = int64_t{4} << 20;  // smaller buffers: not worth a syscall
+
+void advise_huge_pages(void* ptr, int64_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (nbytes < kAdviseMin) return;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+  const uintptr_t begin = (p + kHugePage - 1) & ~static_cast<uintptr_t>(kHugePage - 1);
+  const uintptr_t end = (p + static_cast<uintptr_t>(nbytes)) & ~static_cast<uintptr_t>(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // best effort
+#else
+  (void)ptr;
+  (void)nbytes;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Argument checks shared by quantize and dequantize
 // ---------------------------------------------------------------------------------------------
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -609,6 +639,7 @@ at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at
   check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
   if (n_rows == 0 || d == 0) return out;
 
+  advise_huge_pages(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
   const uint8_t* in = data.data_ptr<uint8_t>();
   const uint16_t* lo_p = reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>());
   const uint16_t* step_p = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
@@ -690,6 +721,181 @@ at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel) {
     }
   });
   for (int64_t i = 8 * full; i < numel; ++i) o[i] = (p[full] >> (i - 8 * full)) & 1;
+  return out;
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Fused backward of the 1-bit-mask layers: grad_in from grad_out and the packed bits, one pass
+// ---------------------------------------------------------------------------------------------
+// Per element, with m its bit: grad_in = m ? on(g) : off(g), where on(g) is g itself (kOnPass)
+// or g * on, and off(g) is +0.0 (kOffZero) or g * off. Products are computed as torch computes
+// `grad * scalar` and `grad * noise` (float32 opmath for float16/bfloat16, rounded back to
+// nearest even; the scalar rounded to float32 first; float64 in float64), and a pass-through or
+// zero moves bit patterns, as torch.where does, so the result equals the unfused
+// `torch.where(mask, grad, 0)` / `torch.where(mask, grad, grad * a)` / `grad * noise` bit for bit.
+namespace {
+
+constexpr int kMaskUnit = 32;                  // elements per step: one uint32 of bits
+constexpr int64_t kMaskGradGrain = int64_t{1} << 12;  // units per parallel task (128K values)
+
+inline uint32_t unit_bits(const uint8_t* p, int64_t u) {
+  uint32_t w;
+  std::memcpy(&w, p + 4 * u, 4);
+  return w;
+}
+
+// float32 / float64: everything in the element type. The products are computed for every lane
+// in loops of their own and the choice is made on bit patterns: a select between two float
+// products in one loop is not if-converted by gcc under -ftrapping-math (it would speculate a
+// multiplication), and that loop then runs scalar, ~5x slower.
+template <typename T> struct SameBits;
+template <> struct SameBits<float> { using type = uint32_t; };
+template <> struct SameBits<double> { using type = uint64_t; };
+
+template <typename T, bool kOnPass, bool kOffZero>
+AZ_INLINE void masked_unit_wide(const T* __restrict g, uint32_t w, int n, T on, T off,
+                                T* __restrict out) {
+  using U = typename SameBits<T>::type;
+  alignas(64) T av[kMaskUnit];
+  alignas(64) T bv[kMaskUnit];
+  if (!kOnPass) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) av[k] = g[k] * on;
+  }
+  if (!kOffZero) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) bv[k] = g[k] * off;
+  }
+  U ab[kMaskUnit], bb[kMaskUnit], gb[kMaskUnit];
+  std::memcpy(gb, g, n * sizeof(T));
+  if (!kOnPass) std::memcpy(ab, av, n * sizeof(T));
+  if (!kOffZero) std::memcpy(bb, bv, n * sizeof(T));
+  U ob[kMaskUnit];
+#pragma omp simd
+  for (int k = 0; k < n; ++k) {
+    const U m = U{0} - static_cast<U>((w >> k) & 1u);  // all ones where the bit is set
+    const U a = kOnPass ? gb[k] : ab[k];
+    const U b = kOffZero ? U{0} : bb[k];
+    ob[k] = (a & m) | (b & ~m);
+  }
+  std::memcpy(out, ob, n * sizeof(T));
+}
+
+// float16 / bfloat16: products in float32, rounded back; pass-through and zero on bit patterns.
+template <typename T, bool kOnPass, bool kOffZero>
+AZ_INLINE void masked_unit_half(const T* __restrict g, uint32_t w, int n, float on, float off,
+                                T* __restrict out) {
+  alignas(64) float xf[kMaskUnit];
+  alignas(64) float af[kMaskUnit];
+  alignas(64) float bf[kMaskUnit];
+  alignas(64) T at[kMaskUnit];
+  alignas(64) T bt[kMaskUnit];
+  const uint16_t* __restrict gb = reinterpret_cast<const uint16_t*>(g);
+  uint16_t* __restrict ob = reinterpret_cast<uint16_t*>(out);
+  if (!kOnPass || !kOffZero) load_block(g, n, xf);
+  if (!kOnPass) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) af[k] = xf[k] * on;
+    store_block(af, n, at);
+  }
+  if (!kOffZero) {
+#pragma omp simd
+    for (int k = 0; k < n; ++k) bf[k] = xf[k] * off;
+    store_block(bf, n, bt);
+  }
+  const uint16_t* __restrict ab = reinterpret_cast<const uint16_t*>(at);
+  const uint16_t* __restrict bb = reinterpret_cast<const uint16_t*>(bt);
+#pragma omp simd
+  for (int k = 0; k < n; ++k) {
+    const bool m = ((w >> k) & 1u) != 0;
+    const uint16_t a = kOnPass ? gb[k] : ab[k];
+    const uint16_t b = kOffZero ? uint16_t{0} : bb[k];
+    ob[k] = m ? a : b;
+  }
+}
+
+template <typename T, bool kOnPass, bool kOffZero, typename S>
+void masked_grad_impl(const T* g, const uint8_t* p, int64_t n, S on, S off, T* out) {
+  auto unit = [&](int64_t e, uint32_t w, int len) {
+    if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+      masked_unit_wide<T, kOnPass, kOffZero>(g + e, w, len, on, off, out + e);
+    } else {
+      masked_unit_half<T, kOnPass, kOffZero>(g + e, w, len, on, off, out + e);
+    }
+  };
+  const int64_t units = n / kMaskUnit;
+  parallel_tasks(units, kMaskGradGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) unit(u * kMaskUnit, unit_bits(p, u), kMaskUnit);
+  });
+  const int64_t e = units * kMaskUnit;
+  if (e < n) {  // the last < 32 values: their bytes, zero-padded
+    const int rest = static_cast<int>(n - e);
+    uint32_t w = 0;
+    std::memcpy(&w, p + e / 8, static_cast<size_t>((rest + 7) / 8));
+    unit(e, w, rest);
+  }
+}
+
+template <typename T, typename S>
+void masked_grad_dispatch(const T* g, const uint8_t* p, int64_t n, bool on_pass, S on,
+                          bool off_zero, S off, T* out) {
+  if (on_pass && off_zero) {
+    masked_grad_impl<T, true, true>(g, p, n, on, off, out);
+  } else if (on_pass) {
+    masked_grad_impl<T, true, false>(g, p, n, on, off, out);
+  } else if (off_zero) {
+    masked_grad_impl<T, false, true>(g, p, n, on, off, out);
+  } else {
+    masked_grad_impl<T, false, false>(g, p, n, on, off, out);
+  }
+}
+
+}  // namespace
+
+at::Tensor masked_grad_cpu(const at::Tensor& grad, const at::Tensor& packed,
+                           std::optional<double> on, std::optional<double> off) {
+  check_cpu(grad, "grad");
+  check_cpu(packed, "packed");
+  const at::ScalarType t = grad.scalar_type();
+  TORCH_CHECK(is_float_type(t) || t == at::kDouble,
+              "grad must be float32, float64, float16 or bfloat16, got ", t);
+  TORCH_CHECK(grad.is_contiguous(), "grad must be contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous(),
+              "packed must be a contiguous 1-d uint8 tensor, got ", packed.scalar_type(),
+              " of shape ", packed.sizes());
+  const int64_t n = grad.numel();
+  TORCH_CHECK_VALUE(packed.numel() == (n + 7) / 8, "packed mask of ", packed.numel(),
+                    " bytes does not hold ", n, " values (needs ", (n + 7) / 8, ")");
+  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  if (n == 0) return out;
+  advise_huge_pages(out.data_ptr(), n * static_cast<int64_t>(out.element_size()));
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const bool on_pass = !on.has_value(), off_zero = !off.has_value();
+  const double on_v = on.value_or(1.0), off_v = off.value_or(0.0);
+  switch (t) {
+    case at::kDouble:
+      masked_grad_dispatch<double, double>(grad.data_ptr<double>(), p, n, on_pass, on_v,
+                                           off_zero, off_v, out.data_ptr<double>());
+      break;
+    case at::kFloat:
+      masked_grad_dispatch<float, float>(grad.data_ptr<float>(), p, n, on_pass,
+                                         static_cast<float>(on_v), off_zero,
+                                         static_cast<float>(off_v), out.data_ptr<float>());
+      break;
+    case at::kHalf:
+      masked_grad_dispatch<c10::Half, float>(grad.data_ptr<c10::Half>(), p, n, on_pass,
+                                             static_cast<float>(on_v), off_zero,
+                                             static_cast<float>(off_v),
+                                             out.data_ptr<c10::Half>());
+      break;
+    default:
+      masked_grad_dispatch<c10::BFloat16, float>(grad.data_ptr<c10::BFloat16>(), p, n, on_pass,
+                                                 static_cast<float>(on_v), off_zero,
+                                                 static_cast<float>(off_v),
+                                                 out.data_ptr<c10::BFloat16>());
+      break;
+  }
   return out;
 }
 

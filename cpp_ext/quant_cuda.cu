@@ -545,6 +545,36 @@ unpack_mask_kernel(const uint8_t* __restrict__ packed, int64_t numel, uint8_t* _
   }
 }
 
+// Fused backward of the 1-bit-mask layers (kernels.h, masked_grad_cpu): one thread per element.
+// A pass-through or zero moves the bit pattern (as torch.where); a product is computed as torch's
+// CUDA `grad * scalar` / `grad * noise` computes it (float32 opmath for 16-bit types, rounded to
+// nearest even by c10's conversion; float64 for float64).
+__device__ __forceinline__ float scaled(float x, float s) { return __fmul_rn(x, s); }
+__device__ __forceinline__ double scaled(double x, double s) { return __dmul_rn(x, s); }
+__device__ __forceinline__ c10::Half scaled(c10::Half x, float s) {
+  return c10::Half(__fmul_rn(static_cast<float>(x), s));
+}
+__device__ __forceinline__ c10::BFloat16 scaled(c10::BFloat16 x, float s) {
+  return c10::BFloat16(__fmul_rn(static_cast<float>(x), s));
+}
+
+template <typename T, typename S>
+__global__ void __launch_bounds__(kThreads)
+masked_grad_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ packed, int64_t n,
+                   bool on_pass, S on, bool off_zero, S off, T* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const bool m = ((__ldg(packed + (i >> 3)) >> (i & 7)) & 1u) != 0;
+    const T x = grad[i];
+    if (m ? on_pass : off_zero) {
+      out[i] = m ? x : T(0);
+    } else {
+      out[i] = scaled(x, m ? on : off);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // host side
 // ------------------------------------------------------------------------------------------------
@@ -774,6 +804,41 @@ at::Tensor unpack_mask_cuda(const at::Tensor& packed, int64_t numel) {
   if (numel == 0) return out;
   unpack_mask_kernel<<<grid_for(numel, kThreads), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       packed.data_ptr<uint8_t>(), numel, reinterpret_cast<uint8_t*>(out.data_ptr<bool>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
+                            std::optional<double> on, std::optional<double> off) {
+  constexpr const char* fn = "masked_grad_cuda";
+  TORCH_CHECK(grad.is_cuda(), fn, ": grad must be a CUDA tensor, got ", grad.device());
+  check_on(packed, grad, fn, "packed");
+  TORCH_CHECK(grad.is_contiguous(), fn, ": grad must be contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous(),
+              fn, ": packed must be a contiguous 1-d uint8 tensor, got ", packed.scalar_type(),
+              " ", packed.sizes());
+  const int64_t n = grad.numel();
+  TORCH_CHECK(packed.numel() == (n + 7) / 8, fn, ": packed mask of ", packed.numel(),
+              " bytes does not hold ", n, " values (needs ", (n + 7) / 8, ")");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  if (n == 0) return out;
+  const bool on_pass = !on.has_value(), off_zero = !off.has_value();
+  const double on_v = on.value_or(1.0), off_v = off.value_or(0.0);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const unsigned grid = grid_for(n, kThreads);
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  if (grad.scalar_type() == at::kDouble) {
+    masked_grad_kernel<double, double><<<grid, kThreads, 0, stream>>>(
+        grad.data_ptr<double>(), p, n, on_pass, on_v, off_zero, off_v, out.data_ptr<double>());
+  } else {
+    dispatch_float(grad.scalar_type(), fn, "grad", [&](auto tag) {
+      using T = decltype(tag);
+      masked_grad_kernel<T, float><<<grid, kThreads, 0, stream>>>(
+          grad.data_ptr<T>(), p, n, on_pass, static_cast<float>(on_v), off_zero,
+          static_cast<float>(off_v), out.data_ptr<T>());
+    });
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -13,7 +13,15 @@ size over the time.
 
 A fresh 64 MiB output costs thousands of first-touch page faults, paid alike by x.clone() and
 az.dequantize (both allocate their output); THP_MEM_ALLOC_ENABLE=1 (a torch setting) makes
-torch allocate large tensors on transparent huge pages, which removes most of that cost.
+torch allocate large tensors on transparent huge pages, which removes most of that cost. The
+extension asks for huge pages on its own large outputs (madvise, see quant_cpu.cpp), so its
+dequantize pays that cost once per 2 MiB instead of per 4 KiB, whatever that setting says.
+
+Mask backward (ReLU / Dropout of the same tensor): torch's own backward of fp32 ReLU
+(aten.threshold_backward, which reads the saved output) and Dropout (grad * float mask), the
+unfused zoo path (unpack the 1-bit mask to bool, then torch.where / a product) and the fused
+kernel (quant.masked_grad: grad and the bits in one pass), each as a ratio to
+threshold_backward.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 
 import actnn_zoo as az
 from actnn_zoo.quant import reference as R
+from actnn_zoo.quant.api import _masked_grad_torch, masked_grad, pack_mask
 from actnn_zoo.quant.backend import extension
 
 WIDTHS = (1, 2, 4, 8)
@@ -78,6 +87,15 @@ def main() -> None:
         offsets = R.row_offsets(cols, bits)
         layouts[b] = (bits, offsets, int(offsets[-1]))
     prealloc = torch.empty_like(x)
+    # Mask backward inputs: ReLU's saved output and its packed mask; a dropout mask.
+    relu_out = torch.relu(x)
+    relu_bits = pack_mask(~(x <= 0))
+    kept = torch.rand(x.shape) > 0.5
+    drop_bits = pack_mask(kept)
+    drop_noise = kept.float().div_(0.5)
+    del kept
+    grad = torch.randn_like(x)
+    aten = torch.ops.aten
 
     times: dict = {}
 
@@ -109,6 +127,19 @@ def main() -> None:
                     record(("rq", b), t_rq)
                     record(("rdq", b), t_rdq)
             del q
+        mask_fns = {
+            "threshold_backward": lambda: aten.threshold_backward(grad, relu_out, 0.0),
+            "relu unfused": lambda: _masked_grad_torch(grad, relu_bits, None, None),
+            "relu fused": lambda: masked_grad(grad, relu_bits, None, None),
+            "dropout torch": lambda: grad * drop_noise,
+            "dropout unfused": lambda: _masked_grad_torch(grad, drop_bits, 2.0, 0.0),
+            "dropout fused": lambda: masked_grad(grad, drop_bits, 2.0, 0.0),
+        }
+        for name, fn in mask_fns.items():
+            t, y = timed(fn)
+            del y
+            if keep:
+                record(("mask", name), t)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     clone, copy_ = med["clone"], med["copy_"]
@@ -133,6 +164,13 @@ def main() -> None:
                   f"{dq * 1e3:13.2f} {dq / copy_:8.2f} {gbs(dq):7.2f}")
     else:
         print("\n(no compiled extension loaded: the numbers above are the pure-torch reference)")
+    tb = med[("mask", "threshold_backward")]
+    print(f"\nmask backward of the same tensor (fresh outputs), ratio = time / "
+          f"threshold_backward time ({tb * 1e3:.2f} ms):")
+    for name in ("threshold_backward", "relu unfused", "relu fused", "dropout torch",
+                 "dropout unfused", "dropout fused"):
+        t = med[("mask", name)]
+        print(f"  {name:<20} {t * 1e3:9.2f} ms  {t / tb:6.2f}x   {t / clone:6.2f}x clone")
 
 
 if __name__ == "__main__":

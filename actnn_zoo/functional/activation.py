@@ -2,7 +2,8 @@
 
 Piecewise-linear activations (ReLU, ReLU6, Hardtanh, LeakyReLU) only need to know which slope
 applied at each position, so they save a 1-bit packed mask and their gradients are exact.
-Smooth activations (GELU, SiLU, Sigmoid, Tanh, ELU, Softplus) save their derivative f'(x),
+Smooth activations (GELU, SiLU, Sigmoid, Tanh, ELU, Softplus, Mish) and the piecewise-smooth
+Hardswish / Hardsigmoid save their derivative f'(x),
 compressed: ``grad_in = grad_out * f'(x)`` is linear in the saved quantity, so stochastic
 rounding of f'(x) keeps the gradient unbiased (saving x instead would not: f' of an unbiased
 estimate of x is biased).
@@ -21,12 +22,14 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, pack_mask, unpack_mask
+from ..quant.api import masked_grad
 from ._saving import compress, load, restore, save
 
 OptBits = Optional[Bits]
 
 __all__ = ["relu", "leaky_relu", "hardtanh", "relu6", "gelu", "silu", "sigmoid", "tanh", "elu",
-           "softplus", "MaskActivationFunction", "DerivativeActivationFunction",
+           "softplus", "hardswish", "hardsigmoid", "mish", "MaskActivationFunction",
+           "DerivativeActivationFunction",
            "activation_derivative", "memory_perm", "to_memory_order", "from_memory_order",
            "save_mask", "load_mask"]
 
@@ -68,6 +71,18 @@ def save_mask(mask: Tensor, perm: Optional[Tuple[int, ...]]) -> Tuple[Tensor, to
 
 def load_mask(packed: Tensor, shape: torch.Size, perm: Optional[Tuple[int, ...]]) -> Tensor:
     return from_memory_order(unpack_mask(packed, shape), perm)
+
+
+def masked_grad_in(grad: Tensor, packed: Tensor, shape: torch.Size,
+                   perm: Optional[Tuple[int, ...]], on: Optional[float],
+                   off: Optional[float]) -> Tensor:
+    """``grad_in`` of a layer that saved :func:`save_mask` bits, fused (``quant.masked_grad``):
+    the bits are in memory order, so ``grad`` is taken in that order too (a view when it shares
+    the layout, as it does after a channels_last layer) and the result is returned in it."""
+    g = to_memory_order(grad, perm)
+    if g.shape != shape:
+        raise RuntimeError(f"gradient of shape {tuple(g.shape)} for a mask of {tuple(shape)}")
+    return from_memory_order(masked_grad(g, packed, on, off), perm)
 
 
 def no_double_backward(what: str) -> None:
@@ -149,12 +164,11 @@ class MaskActivationFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        # One fused pass over grad and the packed bits (quant.masked_grad): no bool mask is
+        # materialised. Bit-identical to torch.where(mask, grad, 0 or grad * other).
         (packed,) = load(ctx)
-        mask = load_mask(packed, ctx.mshape, ctx.perm)
-        if ctx.other == 0.0:
-            grad_in = torch.where(mask, grad, 0.0)
-        else:
-            grad_in = torch.where(mask, grad, grad * ctx.other)
+        grad_in = masked_grad_in(grad, packed, ctx.mshape, ctx.perm, None,
+                                 None if ctx.other == 0.0 else ctx.other)
         return grad_in, None, None, None, None
 
 
@@ -183,7 +197,8 @@ def relu6(x: Tensor, inplace: bool = False) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # Smooth activations: compressed derivative
 # ----------------------------------------------------------------------------------------------
-_DERIV_OPS = ("gelu", "silu", "sigmoid", "tanh", "elu", "softplus")
+_DERIV_OPS = ("gelu", "silu", "sigmoid", "tanh", "elu", "softplus", "hardswish", "hardsigmoid",
+              "mish")
 
 
 def _opmath(t: Tensor) -> Tensor:
@@ -214,6 +229,12 @@ def activation_derivative(op: str, x: Tensor, y: Optional[Tensor] = None,
         return aten.elu_backward(one, params[0], 1, 1, False, t)
     if op == "softplus":
         return aten.softplus_backward(one, t, params[0], params[1])
+    if op == "hardswish":
+        return aten.hardswish_backward(one, t)
+    if op == "hardsigmoid":
+        return aten.hardsigmoid_backward(one, t)
+    if op == "mish":
+        return aten.mish_backward(one, t)
     raise ValueError(f"unknown activation {op!r}; expected one of {_DERIV_OPS}")
 
 
@@ -230,6 +251,12 @@ def _apply_op(op: str, x: Tensor, params: Tuple, inplace: bool) -> Tensor:
         return F.elu(x, params[0], inplace=inplace)
     if op == "softplus":
         return F.softplus(x, params[0], params[1])
+    if op == "hardswish":
+        return F.hardswish(x, inplace=inplace)
+    if op == "hardsigmoid":
+        return F.hardsigmoid(x, inplace=inplace)
+    if op == "mish":
+        return F.mish(x, inplace=inplace)
     raise ValueError(f"unknown activation {op!r}; expected one of {_DERIV_OPS}")
 
 
@@ -315,3 +342,23 @@ def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0,
              qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
     """Softplus saving compressed Softplus'(x) (1 above the linear threshold, as torch)."""
     return _deriv_apply("softplus", x, (float(beta), float(threshold)), qconfig, bits)
+
+
+def hardswish(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
+              bits: OptBits = None) -> Tensor:
+    """Hardswish saving its compressed derivative (piecewise: 0, (2x + 3) / 6, 1). Saving the
+    derivative rather than x keeps ``grad * f'`` linear in what is saved, hence unbiased."""
+    return _deriv_apply("hardswish", x, (), qconfig, bits, inplace)
+
+
+def hardsigmoid(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
+                bits: OptBits = None) -> Tensor:
+    """Hardsigmoid saving its compressed derivative (1/6 inside (-3, 3), else 0): a 2-bit
+    group holding both values rounds them stochastically, unbiased like the smooth ones."""
+    return _deriv_apply("hardsigmoid", x, (), qconfig, bits, inplace)
+
+
+def mish(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
+         bits: OptBits = None) -> Tensor:
+    """Mish saving compressed Mish'(x) (computed before an in-place update)."""
+    return _deriv_apply("mish", x, (), qconfig, bits, inplace)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._saving import load, save
-from .activation import load_mask, memory_perm, save_mask
+from .activation import load_mask, masked_grad_in, memory_perm, save_mask
 
 __all__ = ["DropoutFunction", "dropout", "dropout1d", "dropout2d", "dropout3d"]
 
@@ -52,12 +52,20 @@ class DropoutFunction(torch.autograd.Function):
         ctx.mshape = mshape
         ctx.perm = perm
         ctx.noise_dtype = noise.dtype
+        ctx.elementwise = noise_shape is None
         save(ctx, packed)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (packed,) = load(ctx)
+        if ctx.elementwise and grad.dtype == ctx.noise_dtype:
+            # One fused pass (quant.masked_grad): grad * scale where kept, grad * 0.0 where
+            # dropped (not +0: torch's grad * noise gives -0.0 and NaN there too), with the scale
+            # rounded to the noise dtype as torch's ``mask.to(dtype).div_(1 - p)`` rounds it.
+            scale = torch.ones((), dtype=ctx.noise_dtype).div_(1 - ctx.p).item()
+            return masked_grad_in(grad, packed, ctx.mshape, ctx.perm, scale, 0.0), None, None, None
+        # Feature dropout: the (N, C, 1, ...) noise is small and broadcasts in the product.
         noise = load_mask(packed, ctx.mshape, ctx.perm).to(ctx.noise_dtype).div_(1 - ctx.p)
         return grad * noise, None, None, None
 

@@ -1,6 +1,15 @@
-"""quantize / dequantize and mask packing: argument checks, then one backend call."""
+"""quantize / dequantize and mask packing: argument checks, then one backend call.
+
+Debug checks: the CUDA kernels trust per-sample widths and row offsets that live on the GPU
+(reading them back would synchronise every call) and clip what they store instead, so invalid
+widths give silently wrong values there, where the CPU kernels raise. ``validate=True`` on
+:func:`quantize` / :func:`dequantize`, or the environment variable ``ACTNN_ZOO_DEBUG=1`` (read
+at each call, so it can be set while a program runs), checks them on the host first on any
+device, at the cost of one synchronisation per call.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -96,8 +105,54 @@ def _row_bits(bits: Bits, n: int, device: torch.device) -> Tuple[Tensor, Optiona
     return torch.full((n,), b, dtype=torch.uint8, device=device), b
 
 
+DEBUG_ENV = "ACTNN_ZOO_DEBUG"
+
+
+def debug_checks(validate: Optional[bool] = None) -> bool:
+    """Whether to run the host-side checks of widths and offsets: ``validate`` when given, else
+    ``ACTNN_ZOO_DEBUG`` set to 1/true/yes/on (read now, not cached, so a test or a debugging
+    session can switch it on without restarting)."""
+    if validate is not None:
+        return bool(validate)
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_widths(bits: Tensor, what: str) -> None:
+    """Every entry of a widths tensor in {1, 2, 4, 8} (reads it back: a sync on CUDA)."""
+    ok = (bits == 1) | (bits == 2) | (bits == 4) | (bits == 8)
+    if not bool(ok.all()):
+        bad = sorted(set(bits[~ok].tolist()))
+        raise ValueError(f"{what} entries must be in {SUPPORTED_BITS}, got {bad} "
+                         f"(debug check, {DEBUG_ENV})")
+
+
+def _check_layout(row_bits: Tensor, offsets: Tensor, d: int, nbytes: int, what: str) -> None:
+    """Widths valid, and each row's bytes inside [0, nbytes) and after the previous row's, as
+    the CPU kernels require (checked on the host: the CUDA kernels only clip)."""
+    _check_widths(row_bits, what)
+    if offsets.dtype != torch.int64 or offsets.shape != (row_bits.shape[0] + 1,):
+        raise ValueError(f"{what}: offsets must be int64 of shape ({row_bits.shape[0] + 1},), "
+                         f"got {offsets.dtype} {tuple(offsets.shape)}")
+    sizes = (row_bits.long() * d + 7) // 8
+    off = offsets.long()
+    if bool((off[:-1] < 0).any()) or bool((off[1:] < off[:-1] + sizes).any()) \
+            or int(off[-1]) > nbytes:
+        raise ValueError(f"{what}: row offsets do not fit the widths or the {nbytes}-byte "
+                         f"buffer (debug check, {DEBUG_ENV})")
+
+
+def _uniform_offsets(n: int, d: int, bits: int, device: torch.device) -> Tensor:
+    """row_offsets for one width: (N + 1,) int64 multiples of the row size, as one arange (the
+    general cumsum costs five small ops, a fixed cost every Q-layer paid twice per step)."""
+    rb = (d * bits + 7) // 8
+    if rb == 0:
+        return torch.zeros(n + 1, dtype=torch.int64, device=device)
+    return torch.arange(0, (n + 1) * rb, rb, dtype=torch.int64, device=device)
+
+
 def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
-             seed: Optional[int] = None, rounding: str = "stochastic") -> QuantizedTensor:
+             seed: Optional[int] = None, rounding: str = "stochastic",
+             validate: Optional[bool] = None) -> QuantizedTensor:
     """Compress ``x`` to ``bits`` per value with per-group stochastic rounding.
 
     ``bits`` is 1, 2, 4 or 8, or a 1-d integer tensor with one such width per sample (row),
@@ -105,6 +160,9 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     ``seed`` fixes the random rounding; by default it is drawn from torch's generator, so
     ``torch.manual_seed`` makes runs reproducible. The result dequantizes to an unbiased
     estimate of ``x`` (exactly unbiased up to the 2^-24 resolution of the random numbers).
+    ``validate`` (default: the ``ACTNN_ZOO_DEBUG`` environment variable) checks
+    :class:`SampleBits` widths and their ``max_sum`` on the host on every device: the CUDA
+    kernel would otherwise pack nothing for an invalid width and clip what overflows.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -121,7 +179,14 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     rows = as_rows(x.detach())
     n, d = rows.shape
     row_bits, uniform = _row_bits(bits, n, x.device)
-    offsets = row_offsets(d, row_bits)
+    if isinstance(bits, SampleBits) and debug_checks(validate):
+        _check_widths(bits.bits, "SampleBits.bits")
+        used = int(bits.bits.long().sum())
+        if used > bits.max_sum:
+            raise ValueError(f"SampleBits.bits sums to {used}, more than max_sum="
+                             f"{bits.max_sum} (debug check, {DEBUG_ENV})")
+    offsets = row_offsets(d, row_bits) if uniform is None else _uniform_offsets(n, d, uniform,
+                                                                              x.device)
     g = -(-d // group_size)
     if n * d == 0:
         total = 0
@@ -157,8 +222,13 @@ def _capacity(bits: Bits, offsets: Tensor, n: int, d: int) -> int:
     return total
 
 
-def dequantize(q: QuantizedTensor) -> Tensor:
-    """Reconstruct a tensor of ``q``'s original shape and dtype (contiguous)."""
+def dequantize(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
+    """Reconstruct a tensor of ``q``'s original shape and dtype (contiguous).
+
+    ``validate`` (default: the ``ACTNN_ZOO_DEBUG`` environment variable) checks per-sample
+    widths and row offsets on the host on every device before the kernel runs; without it the
+    CUDA kernel decodes a row of an invalid width as zeros and clips out-of-range reads.
+    """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"dequantize expects a QuantizedTensor, got {type(q).__name__}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -168,9 +238,11 @@ def dequantize(q: QuantizedTensor) -> Tensor:
     n, d = rows.shape
     if q.mixed:
         row_bits, offsets = q.row_bits, q.offsets
+        if debug_checks(validate):
+            _check_layout(row_bits, offsets, d, q.data.numel(), "QuantizedTensor.row_bits")
     else:
         row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
-        offsets = row_offsets(d, row_bits)
+        offsets = _uniform_offsets(n, d, q.bits, q.device)
     kernels(q.device).dequantize(q.data, q.lo, q.step, row_bits, offsets, q.group_size, rows)
     return out
 
@@ -195,3 +267,40 @@ def unpack_mask(packed: Tensor, shape: Union[torch.Size, tuple]) -> Tensor:
     if numel == 0:
         return torch.empty(shape, dtype=torch.bool, device=packed.device)
     return kernels(packed.device).unpack_mask(packed.contiguous(), numel).view(shape)
+
+
+def _masked_grad_torch(grad: Tensor, packed: Tensor, on: Optional[float],
+                       off: Optional[float]) -> Tensor:
+    """The unfused formula (a bool mask, then torch.where): the fallback without kernels, and
+    the specification the fused kernels match bit for bit."""
+    mask = unpack_mask(packed, grad.shape)
+    a = grad if on is None else grad * on
+    return torch.where(mask, a, 0.0 if off is None else grad * off)
+
+
+_MASKED_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def masked_grad(grad: Tensor, packed: Tensor, on: Optional[float] = None,
+                off: Optional[float] = None) -> Tensor:
+    """Backward of a layer that saved a 1-bit mask, in one pass over ``grad``.
+
+    ``packed`` is :func:`pack_mask` of a mask of ``grad``'s shape (logical order of ``grad``;
+    callers with a channels_last mask pass ``grad`` permuted to the mask's memory order). Per
+    element: where the bit is set ``grad`` (``on=None``) or ``grad * on``; elsewhere ``+0.0``
+    (``off=None``) or ``grad * off``. ReLU/Hardtanh: (None, None); LeakyReLU: (None, slope);
+    Dropout: (1/(1-p) rounded to grad's dtype, 0.0). Equal bit for bit to
+    ``torch.where(unpack_mask(...), ...)`` (products rounded as torch rounds ``grad * scalar``),
+    without materialising the bool mask: about half the memory traffic. Returns a contiguous
+    tensor of ``grad``'s shape; without compiled kernels, for other dtypes, or when the result
+    must be differentiable (backward with ``create_graph=True``) it runs that torch formula.
+    """
+    n = grad.numel()
+    if packed.dtype != torch.uint8 or packed.numel() != (n + 7) // 8:
+        raise ValueError(f"packed mask of {packed.numel()} bytes ({packed.dtype}) does not hold "
+                         f"{n} values")
+    fn = getattr(kernels(grad.device), "masked_grad", None)  # an older build may lack it
+    if fn is None or n == 0 or grad.dtype not in _MASKED_GRAD_DTYPES \
+            or (grad.requires_grad and torch.is_grad_enabled()):  # create_graph: differentiable
+        return _masked_grad_torch(grad, packed, on, off)
+    return fn(grad.contiguous(), packed.contiguous(), on, off)

@@ -64,10 +64,18 @@ def extension() -> Optional[ModuleType]:
 
 def kernels(device: Union[torch.device, str]) -> ModuleType:
     """The module whose quantize/dequantize/pack_mask/unpack_mask run on ``device``."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _kernels_for(kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_for(kind: str) -> ModuleType:
+    """Per device type, cached like :func:`extension` (a loaded library, not configuration):
+    every Q-layer call asks, so the answer is one dict lookup after the first."""
     ext = extension()
     if ext is None:
         return reference
-    if torch.device(device).type == "cuda" and not getattr(ext, "has_cuda", False):
+    if kind == "cuda" and not getattr(ext, "has_cuda", False):
         return reference
     return ext
 
