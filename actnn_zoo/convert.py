@@ -9,8 +9,16 @@ Design (docs/design.md, rules 1-2):
   given it, and never a model converted earlier or elsewhere in the process.
 * Conversion swaps modules in place through their parent (``setattr``) and builds each Q-layer
   with ``Q.from_float(module, layer_qconfig)``, which shares the Parameter and buffer objects
-  and the hooks: state_dict, optimizers built earlier, device, dtype and train/eval mode carry
+  and copies the hook dicts (the hooks carry over; the replaced layer stays a working torch
+  layer): state_dict, optimizers built earlier, device, dtype and train/eval mode carry
   over. A module object reachable under several names becomes one Q-layer.
+* Beyond exact types (tier 1 of "compress everything a model saves", docs/design.md):
+  a subclass of a mapped class converts like its base when it does not override ``forward``
+  (``type(m).forward is Base.forward``: torch's ``NonDynamicallyQuantizableLinear``); one that
+  does is left to capture (tiers 2-3) and the report says so. Classes of other libraries
+  convert through :data:`actnn_zoo.nn.third_party.THIRD_PARTY`, keyed by dotted class path,
+  so transformers / timm are never imported here. The Q-layer records the class it came from
+  and ``to_float`` gives that class back.
 * Re-conversion is declarative: ``convert_model(model, cfg)`` leaves the model as a fresh
   conversion with ``cfg`` would, whatever was done to it before. A Q-layer that ``cfg`` still
   quantizes keeps its object (hooks, identity) and gets the new ``qconfig`` (its per-sample
@@ -21,21 +29,23 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 from torch import nn
 
 from . import nn as qnn
 from .config import TOP_KEYS, ConfigLike, QuantConfig, _unknown_key, as_config
 from .capture import attach_capture, detach_capture
-from .nn._base import QModule
+from .nn._base import QModule, same_forward
+from .nn.third_party import THIRD_PARTY, ThirdPartyRule, dotted_name, find_rule
 from .precision import PRECISION_ATTR, PrecisionStrategy, TrackedLayer, build_strategy
 
 __all__ = ["convert_model", "restore_model", "register_mapping", "default_mapping",
            "conversion_report", "precision_strategy", "ConversionReport", "ConvertedLayer",
            "SkippedLayer", "UnmatchedRule"]
 
-QMapping = Mapping[Type[nn.Module], Optional[Type[nn.Module]]]
+QMapping = Mapping[Union[Type[nn.Module], str],
+                   Union[Type[nn.Module], ThirdPartyRule, None]]
 REPORT_ATTR = "actnn_zoo_report"
 
 
@@ -64,8 +74,15 @@ def default_mapping() -> Dict[Type[nn.Module], Type[nn.Module]]:
 
 
 def _check_pair(float_cls: object, q_cls: object) -> None:
+    if isinstance(float_cls, str):  # a dotted class path: a third-party rule or an opt-out
+        if "." not in float_cls or (q_cls is not None and not isinstance(q_cls, ThirdPartyRule)):
+            raise TypeError(f"mapping keys must be nn.Module classes, or dotted class paths "
+                            f"('package.module.Class') mapped to an actnn_zoo.nn.third_party."
+                            f"ThirdPartyRule or None; got {float_cls!r} -> {q_cls!r}")
+        return
     if not (isinstance(float_cls, type) and issubclass(float_cls, nn.Module)):
-        raise TypeError(f"mapping keys must be nn.Module classes, got {float_cls!r}")
+        raise TypeError(f"mapping keys must be nn.Module classes or dotted class paths, "
+                        f"got {float_cls!r}")
     if q_cls is None:
         return
     if not _is_q_class(q_cls):
@@ -77,32 +94,95 @@ def _check_pair(float_cls: object, q_cls: object) -> None:
                          f"so it cannot replace {float_cls.__name__}")
 
 
-def register_mapping(float_cls: Type[nn.Module], q_cls: Optional[Type[nn.Module]],
-                     mapping: Optional[QMapping] = None) -> Dict[Type[nn.Module],
-                                                                 Optional[Type[nn.Module]]]:
+def register_mapping(float_cls: Union[Type[nn.Module], str],
+                     q_cls: Union[Type[nn.Module], ThirdPartyRule, None],
+                     mapping: Optional[QMapping] = None) -> Dict[Any, Any]:
     """A new mapping: ``mapping`` (default: :func:`default_mapping`) plus ``float_cls -> q_cls``.
 
     Nothing global changes: pass the result to ``convert_model(model, mapping=...)``. Models
     converted before, or without it, are not affected. ``q_cls=None`` opts ``float_cls`` out
     of conversion. ``q_cls._FLOAT_MODULE`` must be ``float_cls`` (``from_float`` checks it).
+    ``float_cls`` may also be a dotted class path (``"transformers.pytorch_utils.Conv1D"``)
+    mapped to a :class:`~actnn_zoo.nn.third_party.ThirdPartyRule` or to None (opt out of a
+    :data:`~actnn_zoo.nn.third_party.THIRD_PARTY` rule).
     """
     _check_pair(float_cls, q_cls)
-    out: Dict[Type[nn.Module], Optional[Type[nn.Module]]] = dict(
+    out: Dict[Any, Any] = dict(
         default_mapping() if mapping is None else mapping)
     out[float_cls] = q_cls
     return out
 
 
-def _effective_mapping(mapping: Optional[QMapping]) -> Dict[type, Optional[type]]:
+def _effective_mapping(mapping: Optional[QMapping]
+                       ) -> Tuple[Dict[type, Optional[type]], Dict[str, Optional[ThirdPartyRule]]]:
+    """(torch class -> Q class, dotted path -> third-party rule), defaults plus ``mapping``."""
     table: Dict[type, Optional[type]] = dict(default_mapping())
+    paths: Dict[str, Optional[ThirdPartyRule]] = dict(THIRD_PARTY)
     if mapping is not None:
         if not isinstance(mapping, Mapping):
             raise TypeError(f"mapping must be a dict of torch class -> Q class, "
                             f"got {type(mapping).__name__}")
         for float_cls, q_cls in mapping.items():
             _check_pair(float_cls, q_cls)
-        table.update(mapping)
-    return table
+            if isinstance(float_cls, str):
+                paths[float_cls] = q_cls  # type: ignore[assignment]
+            else:
+                table[float_cls] = q_cls  # type: ignore[assignment]
+    return table, paths
+
+
+Builder = Callable[[nn.Module, Any], nn.Module]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a module class converts to: the Q class and how to build it (None: no Q-layer,
+    with ``reason`` saying why when the class is known)."""
+
+    q_cls: Optional[type]
+    build: Optional[Builder] = None
+    reason: str = "no Q layer for this type"
+    known: bool = False  # a mapped class (or a subclass of one): always reported when skipped
+
+
+def _target_of(cls: type, mod: nn.Module, table: Dict[type, Optional[type]],
+               paths: Dict[str, Optional[ThirdPartyRule]]) -> _Target:
+    """The conversion for ``mod`` of class ``cls``: its own entry (type, then dotted path),
+    else the first base in its MRO with an entry, which applies only when ``cls`` keeps that
+    base's forward. A third-party rule whose check refuses ``mod`` gives no Q-layer."""
+    own = _own_target(cls, mod, table, paths)
+    if own is not None:
+        return own
+    for base in cls.__mro__[1:]:
+        if base is nn.Module or base is object:
+            break
+        found = _own_target(base, mod, table, paths)
+        if found is None:
+            continue
+        if found.q_cls is None or same_forward(cls, base):
+            return found
+        return _Target(None, reason=f"subclass of {base.__name__} that overrides forward: "
+                                    f"not converted (left to capture tiers 2-3)", known=True)
+    return _Target(None)
+
+
+def _own_target(cls: type, mod: nn.Module, table: Dict[type, Optional[type]],
+                paths: Dict[str, Optional[ThirdPartyRule]]) -> Optional[_Target]:
+    """``cls``'s own entry (None: it has none) for ``mod`` (an instance of ``cls`` or of a
+    subclass, or a Q-layer converted from one: it keeps the original's attributes)."""
+    if cls in table:
+        q = table[cls]
+        if q is None:
+            return _Target(None, reason="no Q layer for this type (opted out by the mapping)",
+                           known=True)
+        return _Target(q, lambda mod, lc: q.from_float(mod, lc))  # type: ignore[union-attr]
+    rule, why = find_rule(cls, paths)
+    if rule is None:
+        return None if why is None else _Target(None, reason=why, known=True)
+    refused = rule.check(mod)
+    if refused is not None:
+        return _Target(None, reason=f"{dotted_name(cls)}: {refused}; not converted", known=True)
+    return _Target(rule.q_cls, rule.build, known=True)
 
 
 # ----------------------------------------------------------------------------- report
@@ -206,7 +286,8 @@ def _swap(root: nn.Module, decide: Callable[[str, nn.Module], Optional[nn.Module
 
 
 def _float_type(mod: nn.Module) -> type:
-    return mod._FLOAT_MODULE if isinstance(mod, QModule) else type(mod)  # type: ignore
+    """The class a module converts from: its own, or for a Q-layer the class it replaced."""
+    return mod.float_class() if isinstance(mod, QModule) else type(mod)  # type: ignore
 
 
 def convert_model(model: nn.Module, config: ConfigLike = None, *,
@@ -217,7 +298,9 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
     or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top. ``mapping`` adds
     to or overrides the default torch -> Q class mapping (see :func:`register_mapping`; a
     value None opts a class out).
-    Matching is by exact type; other modules are left alone. Q-layers already in the model are
+    Matching is by exact type, then dotted class path (third-party classes), then the first
+    mapped base class, which applies only to a subclass that keeps the base's ``forward``;
+    other modules are left alone (the report says why for mapped ones). Q-layers already in the model are
     re-configured, swapped or restored so the result equals a fresh conversion (module doc).
     The root itself is converted when it has a Q-layer; use the returned object.
     A :class:`ConversionReport` is stored as ``model.actnn_zoo_report`` (see
@@ -231,7 +314,7 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
         if key not in TOP_KEYS:
             raise TypeError(f"convert_model() got an {_unknown_key(key, TOP_KEYS, 'override')}")
     cfg = as_config(config, **overrides)
-    table = _effective_mapping(mapping)
+    table, paths = _effective_mapping(mapping)
     report = ConversionReport(config=cfg)
     _detach_precision(model)
     detach_capture(model)
@@ -239,18 +322,23 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
     def decide(name: str, mod: nn.Module) -> Optional[nn.Module]:
         float_cls = _float_type(mod)
         is_q = isinstance(mod, QModule)
-        # An existing Q-layer stays of its class unless the mapping says otherwise.
-        target = table[float_cls] if float_cls in table else (type(mod) if is_q else None)
-        if target is None:
-            if is_q:  # explicitly opted out by the mapping: back to torch
+        found = _target_of(float_cls, mod, table, paths)
+        if found.q_cls is None and is_q and not found.known:
+            # An existing Q-layer of a class the mapping does not know stays of its class.
+            found = _Target(type(mod), lambda m, lc: type(m).from_float(m, lc), known=True)
+        if found.q_cls is None:
+            why = found.reason
+            if is_q:  # opted out by the mapping (or no longer convertible): back to torch
                 report.skipped.append(SkippedLayer(name, float_cls.__name__,
-                                                   "no Q layer for this type; restored to torch"))
+                                                   why + "; restored to torch"))
                 return mod.to_float()  # type: ignore[union-attr]
-            if not any(True for _ in mod.children()):
-                report.skipped.append(SkippedLayer(name, type(mod).__name__,
-                                                   "no Q layer for this type"))
+            if found.known or not any(True for _ in mod.children()):
+                report.skipped.append(SkippedLayer(name, type(mod).__name__, why))
             return None
-        lc, reason = cfg.explain(name, mod)
+        target = found.q_cls
+        # Rules are matched against the original class (a type rule naming LlamaRMSNorm).
+        probe = mod.to_float() if is_q and mod.float_source is not None else mod  # type: ignore
+        lc, reason = cfg.explain(name, probe)
         if lc is None:
             reason = (reason or "skipped") + ("; restored to torch" if is_q else "")
             report.skipped.append(SkippedLayer(name, float_cls.__name__, reason))
@@ -262,7 +350,7 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
             mod.sample_bits = None
             return mod
         source = mod.to_float() if is_q else mod  # type: ignore[union-attr]
-        return target.from_float(source, lc)  # type: ignore[union-attr]
+        return found.build(source, lc)  # type: ignore[misc]
 
     all_pairs = list(model.named_modules(remove_duplicate=False))
     new_root = _swap(model, decide)

@@ -148,6 +148,30 @@ def test_hooks_survive_conversion():
     assert ("fwd", TConv2d) in calls and ("pre", TLinear) in calls and ("bwd", 0) in calls
 
 
+def test_hook_dicts_are_copied_so_the_original_stays_a_torch_layer():
+    """Hooks registered before conversion fire on the Q-layer; a hook registered on the
+    Q-layer afterwards never fires on (nor receives) the original torch layer, which keeps
+    working. Failed when the hook dicts were shared: ``lin(x)`` raised AttributeError
+    ('Linear' object has no attribute 'quantizing') from the precision strategy's hook."""
+    lin = nn.Linear(3, 4)
+    before = []
+    lin.register_forward_hook(lambda m, i, o: before.append(type(m)))
+    q = convert_model(lin)
+    assert isinstance(q, qnn.QLinear) and q is not lin
+    after = []
+    q.register_forward_hook(lambda m, i, o: after.append(type(m)))
+    q.register_forward_pre_hook(lambda m, i: after.append("pre"))
+    lin(torch.randn(2, 3))  # a plain torch layer again
+    assert before == [nn.Linear] and after == []
+    q(torch.randn(2, 3))
+    assert before == [nn.Linear, qnn.QLinear] and after == ["pre", qnn.QLinear]
+    assert lin._forward_hooks is not q._forward_hooks
+    restored = restore_model(q)
+    restored(torch.randn(2, 3))
+    assert after == ["pre", qnn.QLinear, "pre", nn.Linear]  # restore keeps the Q-layer's hooks
+    assert q._forward_hooks is not restored._forward_hooks
+
+
 def test_training_mode_dtype_and_device_are_kept():
     model = tiny().to(torch.bfloat16)
     model.train()

@@ -606,7 +606,36 @@ EVERY_LAYER = {
     "QAdaptiveAvgPool2d": (lambda: nn.AdaptiveAvgPool2d((5, 7)), (4, 8, 16, 16), "exact"),
     "QAdaptiveAvgPool3d": (lambda: nn.AdaptiveAvgPool3d(3), (2, 4, 8, 8, 8), "exact"),
     "QUpsample": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), (2, 4, 8, 8), "exact"),
+    "QHardswish": (lambda: nn.Hardswish(), (4, 8, 16, 16), "cos"),
+    "QHardsigmoid": (lambda: nn.Hardsigmoid(), (4, 8, 16, 16), "cos"),
+    "QMish": (lambda: nn.Mish(), (4, 8, 16, 16), "cos"),
+    "QRMSNorm": (lambda: nn.RMSNorm(64), (8, 10, 64), "cos"),
+    # Third-party classes (tests/test_third_party.py checks them on CPU, skipped without them).
+    "QHFConv1D": (lambda: _third_party("transformers.pytorch_utils", "Conv1D")(64, 300),
+                  (8, 10, 300), "cos"),
+    "QLayerNorm2d": (lambda: _third_party("torchvision.models.convnext", "LayerNorm2d")(16),
+                     (4, 16, 8, 8), "cos"),
+    "QBatchNormAct2d": (lambda: _third_party("timm.layers.norm_act", "BatchNormAct2d")(8),
+                        (4, 8, 16, 16), "cos"),
 }
+def _third_party(module: str, name: str):
+    """A class of transformers / torchvision / timm (the latter two from .bench_deps, see
+    scripts/third_party.py); skips the test when it is not importable."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+    if module.split(".")[0] != "transformers":
+        path = Path(__file__).resolve().parents[1] / "scripts" / "third_party.py"
+        spec = importlib.util.spec_from_file_location("_az_third_party_script", path)
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        script.import_vision()  # .bench_deps on sys.path, torchvision's operator schemas
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
+        pytest.skip(f"{module}.{name} is not importable: {exc}")
+
+
 # QSyncBatchNorm needs an initialised process group; it runs with two gloo processes on CPU
 # (tests/test_layers_norm.py) and is the only Q-layer not exercised here.
 NOT_HERE = {"QSyncBatchNorm"}

@@ -1,7 +1,8 @@
 """QModule: what every quantized layer shares (its qconfig, conversion from/to torch layers)."""
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Type, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -9,8 +10,29 @@ from torch import Tensor, nn
 from ..config import LayerQConfig
 from ..quant import Bits, SampleBits
 
-_Q_ATTRS = ("qconfig", "sample_bits", "precision_stats")
-_COPIED = ("_parameters", "_buffers", "_modules")
+SOURCE_ATTR = "_az_source"
+_Q_ATTRS = ("qconfig", "sample_bits", "precision_stats", SOURCE_ATTR)
+_COPIED = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+@dataclass(frozen=True)
+class FloatSource:
+    """The class a Q-layer was converted from when it is not the Q class's ``_FLOAT_MODULE``.
+
+    ``cls``: a subclass of ``_FLOAT_MODULE`` with the same forward, or a third-party class
+    (``actnn_zoo.nn.third_party``). ``added``: the attribute names the conversion set on the
+    Q-layer that ``cls`` instances do not have (``eps`` for an HF RMSNorm, which calls it
+    ``variance_epsilon``); :meth:`QModule.to_float` drops them again, so a round trip gives
+    back exactly the attributes the original had.
+    """
+
+    cls: type
+    added: Tuple[str, ...] = ()
+
+
+def _is_hook_dict(key: str, value: object) -> bool:
+    """torch keeps hooks in ``_*hooks*`` dicts (forward, pre, backward, state_dict, ...)."""
+    return key.startswith("_") and "hooks" in key and isinstance(value, dict)
 
 
 def _clone_state(src: nn.Module, dst: nn.Module) -> None:
@@ -18,14 +40,28 @@ def _clone_state(src: nn.Module, dst: nn.Module) -> None:
 
     The parameter/buffer/module containers are copied so that later additions to one module do
     not appear on the other; the objects in them are shared, so state_dict keys and values, an
-    optimizer built earlier and pretrained weights all stay valid. Hook dicts are shared as they
-    are, so a handle returned before conversion still removes its hook afterwards.
+    optimizer built earlier and pretrained weights all stay valid.
+
+    Hook dicts are copied too (new dicts holding the same hook entries, as
+    ``torch.ao.quantization`` does): hooks registered before conversion keep firing on the
+    Q-layer, but a hook registered on one module afterwards never fires on the other, and a
+    hook on the Q-layer never receives the original torch layer (which has no ``quantizing``,
+    ``qconfig``, ...). The price: a handle returned *before* conversion removes its hook from
+    the original layer only; remove it from the converted layer with a new registration's
+    handle, or register hooks after conversion.
     """
     for key, value in src.__dict__.items():
         if key in _Q_ATTRS:
             continue
-        copy = key in _COPIED and isinstance(value, dict)
-        dst.__dict__[key] = value.copy() if copy else value
+        copy = (key in _COPIED and isinstance(value, (dict, set))) or _is_hook_dict(key, value)
+        dst.__dict__[key] = value.copy() if copy else value  # type: ignore[union-attr]
+
+
+def same_forward(cls: type, base: type) -> bool:
+    """True when ``cls`` (a subclass of ``base``) computes exactly what ``base`` does: it does
+    not override ``forward`` (``cls.forward is base.forward``). A subclass that overrides it
+    may compute anything; converting it like ``base`` would silently change the model."""
+    return isinstance(cls, type) and issubclass(cls, base) and cls.forward is base.forward
 
 
 class QModule:
@@ -66,19 +102,67 @@ class QModule:
 
     @classmethod
     def from_float(cls, mod: nn.Module, qconfig: Optional[LayerQConfig] = None):
-        """Build the Q-layer from a torch layer, sharing its Parameters, buffers and hooks."""
-        if type(mod) is not cls._FLOAT_MODULE:
-            raise TypeError(f"{cls.__name__}.from_float expects {cls._FLOAT_MODULE.__name__}, "
-                            f"got {type(mod).__name__}")
+        """Build the Q-layer from a torch layer, sharing its Parameters and buffers (hooks are
+        copied, see :func:`_clone_state`).
+
+        ``mod`` is an instance of ``_FLOAT_MODULE`` or of a subclass of it that does not
+        override ``forward`` (:func:`same_forward`; e.g. torch's
+        ``NonDynamicallyQuantizableLinear``): both compute the same, and :meth:`to_float`
+        gives back the subclass.
+        """
+        float_cls = getattr(cls, "_FLOAT_MODULE", None)
+        if float_cls is None or not same_forward(type(mod), float_cls):
+            want = float_cls.__name__ if float_cls is not None else "a supported class"
+            why = (" (a subclass that overrides forward)"
+                   if float_cls is not None and isinstance(mod, float_cls) else "")
+            raise TypeError(f"{cls.__name__}.from_float expects {want}, "
+                            f"got {type(mod).__name__}{why}")
+        return cls._build_from(mod, qconfig)
+
+    @classmethod
+    def _build_from(cls, mod: nn.Module, qconfig: Optional[LayerQConfig],
+                    attrs: Optional[Mapping[str, Any]] = None):
+        """The Q-layer sharing ``mod``'s state, plus ``attrs`` set on it (recorded when ``mod``
+        lacks them, so :meth:`to_float` removes them). No type check: callers check."""
         new = cls.__new__(cls)
         _clone_state(mod, new)
+        added = []
+        for key, value in (attrs or {}).items():
+            if key not in mod.__dict__:
+                added.append(key)
+            new.__dict__[key] = value
         new._init_q(qconfig)
+        if type(mod) is not getattr(cls, "_FLOAT_MODULE", None):
+            new.__dict__[SOURCE_ATTR] = FloatSource(type(mod), tuple(added))
         return new
 
+    @property
+    def float_source(self) -> Optional[FloatSource]:
+        """Where this layer came from when that is not ``_FLOAT_MODULE`` (None otherwise)."""
+        return self.__dict__.get(SOURCE_ATTR)
+
+    def float_class(self) -> type:
+        """The torch (or third-party) class :meth:`to_float` gives back."""
+        src = self.float_source
+        return src.cls if src is not None else self._FLOAT_MODULE
+
+    def plain_forward(self, base: type, *args: Any) -> Any:
+        """The uncompressed forward: ``base.forward`` (the torch class), or for a layer
+        converted from another class the original class's forward run on this layer (it holds
+        all of the original's attributes), so eval and no_grad give exactly what the original
+        gave (an HF ``NewGELUActivation`` mapped to QGELU keeps its own formula there)."""
+        src = self.float_source
+        return (src.cls if src is not None else base).forward(self, *args)
+
     def to_float(self) -> nn.Module:
-        """The plain torch layer again, sharing Parameters and buffers."""
-        mod = self._FLOAT_MODULE.__new__(self._FLOAT_MODULE)
+        """The plain torch layer again (the class converted from), sharing Parameters and
+        buffers."""
+        src = self.float_source
+        cls = self.float_class()
+        mod = cls.__new__(cls)
         _clone_state(self, mod)
+        for key in src.added if src is not None else ():
+            mod.__dict__.pop(key, None)
         return mod
 
     def extra_repr(self) -> str:

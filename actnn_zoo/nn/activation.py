@@ -2,7 +2,7 @@
 
 In training with autograd recording they run a Function that saves a 1-bit mask (ReLU,
 ReLU6, LeakyReLU, Hardtanh) or the compressed derivative (GELU, SiLU, Sigmoid, Tanh, ELU,
-Softplus); otherwise (eval, ``no_grad``, ``qconfig.enabled=False``, or an input that does not
+Softplus, Hardswish, Hardsigmoid, Mish); otherwise (eval, ``no_grad``, ``qconfig.enabled=False``, or an input that does not
 require grad, where nothing is saved anyway) exactly the torch forward.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..functional import activation as A
 from ._base import QModule
 
 __all__ = ["QReLU", "QReLU6", "QLeakyReLU", "QHardtanh", "QGELU", "QSiLU", "QSigmoid", "QTanh",
-           "QELU", "QSoftplus"]
+           "QELU", "QSoftplus", "QHardswish", "QHardsigmoid", "QMish"]
 
 
 class _QAct(QModule):
@@ -101,7 +101,7 @@ class QGELU(_QAct, nn.GELU):
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
             return A.gelu(input, self.approximate, self.qconfig, self.bits_for(input))
-        return nn.GELU.forward(self, input)
+        return self.plain_forward(nn.GELU, input)
 
 
 class QSiLU(_QAct, nn.SiLU):
@@ -116,7 +116,7 @@ class QSiLU(_QAct, nn.SiLU):
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
             return A.silu(input, self.inplace, self.qconfig, self.bits_for(input))
-        return nn.SiLU.forward(self, input)
+        return self.plain_forward(nn.SiLU, input)
 
 
 class QSigmoid(_QAct, nn.Sigmoid):
@@ -180,3 +180,48 @@ class QSoftplus(_QAct, nn.Softplus):
             return A.softplus(input, self.beta, self.threshold, self.qconfig,
                               self.bits_for(input))
         return nn.Softplus.forward(self, input)
+
+
+class QHardswish(_QAct, nn.Hardswish):
+    """nn.Hardswish saving the compressed derivative (also in place)."""
+
+    _FLOAT_MODULE = nn.Hardswish
+
+    def __init__(self, inplace: bool = False, qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.Hardswish.__init__(self, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.hardswish(input, self.inplace, self.qconfig, self.bits_for(input))
+        return nn.Hardswish.forward(self, input)
+
+
+class QHardsigmoid(_QAct, nn.Hardsigmoid):
+    """nn.Hardsigmoid saving the compressed derivative (1/6 or 0; also in place)."""
+
+    _FLOAT_MODULE = nn.Hardsigmoid
+
+    def __init__(self, inplace: bool = False, qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.Hardsigmoid.__init__(self, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.hardsigmoid(input, self.inplace, self.qconfig, self.bits_for(input))
+        return nn.Hardsigmoid.forward(self, input)
+
+
+class QMish(_QAct, nn.Mish):
+    """nn.Mish saving the compressed derivative (also in place)."""
+
+    _FLOAT_MODULE = nn.Mish
+
+    def __init__(self, inplace: bool = False, qconfig: Optional[LayerQConfig] = None) -> None:
+        nn.Mish.__init__(self, inplace)
+        self._init_q(qconfig)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._active(input):
+            return A.mish(input, self.inplace, self.qconfig, self.bits_for(input))
+        return self.plain_forward(nn.Mish, input)
