@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Union
 
+import torch
 from torch import Tensor
 
 from ..capture.session import active_session
@@ -18,13 +19,26 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None
 
     Inside a converted model's training forward the capture session's store answers, so a
     tensor that several layers save is compressed once (``actnn_zoo.capture.store``).
+
+    float64 is quantized through a float32 copy (the result dequantizes to float32; callers
+    cast to their compute dtype): quantization itself takes float32 at most, and its step is
+    far coarser than float32's rounding (``functional.linear.check_compressible`` says why
+    float64 is compressed at all). The store keys on the float64 tensor, so sharing still works.
     """
     b = qconfig.bits if bits is None else bits
     session = active_session()
     if session is not None:
         return session.store.compress(x, b, qconfig.group_size, qconfig.rounding,
-                                      quantize_fn=quantize)
-    return quantize(x, b, qconfig.group_size, rounding=qconfig.rounding)
+                                      quantize_fn=_quantize_any_float)
+    return _quantize_any_float(x, b, qconfig.group_size, rounding=qconfig.rounding)
+
+
+def _quantize_any_float(x: Tensor, bits: Bits, group_size: int, rounding: str
+                        ) -> QuantizedTensor:
+    """``quantize`` (looked up at call time), with float64 cast to float32 first."""
+    if x.dtype == torch.float64:
+        x = x.float()
+    return quantize(x, bits, group_size, rounding=rounding)
 
 
 def save(ctx, *items: Saved) -> None:

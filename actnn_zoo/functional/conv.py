@@ -6,6 +6,12 @@ backward is compressed. Backward dequantizes it and calls the public
 ``aten::convolution_backward`` (one code path for CPU and CUDA, every stride/padding/dilation/
 groups/output_padding combination). The weight gradient is linear in the saved input, hence
 unbiased under stochastic rounding; the input gradient does not read it and is exact.
+
+Double backward (``create_graph=True``): backward is made of differentiable ops
+(``convolution_backward`` has a derivative formula in torch), so the input and bias gradients
+are exact and differentiable in ``grad_out`` and the weight (their derivative in ``x`` is zero).
+The weight gradient's derivative in ``x`` would need the uncompressed input: when ``x``
+required a gradient the weight gradient raises if differentiated (``guard_second_order``).
 """
 from __future__ import annotations
 
@@ -15,12 +21,11 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..config import LayerQConfig
 from ..quant import Bits
 from ._saving import compress, load, restore, save
-from .linear import cast, dtype_of, memory_format_of
+from .linear import cast, dtype_of, guard_second_order, memory_format_of
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -133,8 +138,9 @@ class ConvFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        # Differentiable ops only: with create_graph=True the graph of the input gradient is
+        # recorded (module docstring).
         x_q, weight = load(ctx)
         spec: ConvSpec = ctx.spec
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -165,6 +171,8 @@ class ConvFunction(torch.autograd.Function):
                     spec.output_padding_list(), spec.groups, mask)
                 gi = gi if need_x else None
                 gw = gw if need_w else None
+                layer = f"QConv{'Transpose' if spec.transposed else ''}{spec.dims}d"
+                gw = guard_second_order(gw, weight, f"{layer} weight gradient", need_x)
             if need_b and not need_w:
                 gb = go.sum([0] + list(range(2, go.dim())))
             if gi is not None and any(extra):

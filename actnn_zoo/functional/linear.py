@@ -4,6 +4,14 @@ Forward runs ``F.linear`` on the real input (so the output, autocast included, i
 torch's); only the copy kept for backward is compressed. The weight gradient is linear in the
 saved input, so with unbiased stochastic rounding it is an unbiased estimate; the input gradient
 does not use the saved input at all and is exact.
+
+Double backward (``create_graph=True``, e.g. a WGAN-GP gradient penalty): the input gradient
+``grad_out @ W`` is built from differentiable torch ops, so it is exact and differentiable in
+both ``grad_out`` and ``W`` -- its derivative in ``x`` is zero, so nothing is missing. The
+weight gradient ``grad_out^T x`` is differentiable in ``grad_out``; its derivative in ``x``
+cannot be expressed (only the compressed ``x`` is kept), so when ``x`` required a gradient the
+weight gradient is wrapped by :func:`guard_second_order`, which raises if anything ever
+differentiates through it, instead of returning a silently wrong gradient.
 """
 from __future__ import annotations
 
@@ -12,13 +20,13 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..config import LayerQConfig
 from ..quant import Bits
 from ._saving import compress, load, restore, save
 
-COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# float64 is compressed through a float32 copy (``_saving.compress``); see check_compressible.
+COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # -- helpers shared by conv.py and norm.py ------------------------------------------------------
@@ -27,6 +35,14 @@ def check_compressible(x: Tensor, layer: str) -> None:
 
     Falling back silently would keep a full-precision copy while the user believes the layer
     compresses; the user can opt out per layer with ``qconfig.enabled=False`` instead.
+
+    float64 is accepted and compressed like float32 (``_saving.compress`` quantizes a float32
+    copy; forward and the exact parts of backward stay float64). Why not pass it through: the
+    point of a Q-layer is the memory, and a float64 activation kept whole costs 32x its 2-bit
+    copy. Why the cast costs nothing: a quantization step is at least 1/255 of its group's
+    range, some 2^15 times coarser than float32's rounding, so the float32 copy adds no
+    measurable error (values beyond float32's range become inf, and their group NaN, as any
+    non-finite group does).
     """
     if x.is_nested:
         raise NotImplementedError(f"{layer}: nested tensor input is not supported while "
@@ -62,6 +78,51 @@ def dtype_of(t: Optional[Tensor]) -> Optional[torch.dtype]:
     return None if t is None else t.dtype
 
 
+class _SecondOrderGuard(torch.autograd.Function):
+    """Identity on a gradient whose own derivative is incomplete; raises if differentiated.
+
+    Built in a backward that runs with ``create_graph=True``: the value is right (it is what
+    the first-order backward returns), but part of its dependence on the forward's inputs is
+    lost with the uncompressed activation. Differentiating it again must not silently drop that
+    part, so this node raises instead (``anchor`` only makes the output part of the graph).
+    """
+
+    @staticmethod
+    def forward(ctx, value: Tensor, anchor: Tensor, what: str) -> Tensor:
+        ctx.what = what
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tuple[None, None, None]:
+        raise NotImplementedError(
+            f"actnn_zoo: differentiating the {ctx.what} again (double backward) is not "
+            "supported: its derivative with respect to the layer input needs the uncompressed "
+            "input, which is not kept. Use the torch layer (to_float()) or set qconfig "
+            "enabled=False for this layer.")
+
+
+def guard_second_order(value: Optional[Tensor], anchor: Tensor, what: str,
+                       needed: bool) -> Optional[Tensor]:
+    """``value`` unchanged, or, when ``needed`` and backward is building a graph
+    (``create_graph=True``), wrapped so that differentiating it raises (see
+    :class:`_SecondOrderGuard`). ``anchor``: a tensor that requires grad (the weight)."""
+    if value is None or not needed or not torch.is_grad_enabled():
+        return value
+    return _SecondOrderGuard.apply(value, anchor, what)
+
+
+def first_order_only(layer: str) -> None:
+    """Raise when backward runs with ``create_graph=True`` for a layer whose input gradient
+    depends on the input itself (norms): only its compressed copy is kept, so a graph of that
+    gradient would lack the input's part -- a silently wrong second derivative."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"actnn_zoo: double backward (create_graph=True) through {layer} is not "
+            "supported: its input gradient depends on the input, of which only a compressed "
+            "copy is kept. Use the torch layer (to_float()) or set qconfig enabled=False for "
+            "this layer.")
+
+
 # -- Linear -------------------------------------------------------------------------------------
 class LinearFunction(torch.autograd.Function):
     """y = x W^T + b, saving compress(x) (only when W needs a gradient) and W (a Parameter)."""
@@ -77,8 +138,9 @@ class LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        # Plain torch ops throughout: with create_graph=True (grad mode on here) the input and
+        # bias gradients are recorded, exact and differentiable; see the module docstring.
         x_q, weight = load(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -92,6 +154,7 @@ class LinearFunction(torch.autograd.Function):
             if need_w:
                 x2 = restore(x_q).to(dt)
                 gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
+                gw = guard_second_order(gw, weight, "QLinear weight gradient", need_x)
             if need_b:
                 gb = go2.sum(0)
         return cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None

@@ -18,6 +18,10 @@ Bias: the weight gradient sum(grad_out * x_hat) is linear in the saved x_hat (th
 are exact), hence unbiased under stochastic rounding. The input gradient has a term quadratic
 in x_hat (x_hat * mean(grad_out * x_hat)), so it is only approximately unbiased;
 tests/test_layers_norm.py measures that bias.
+
+Double backward (``create_graph=True``) raises NotImplementedError naming the layer: the input
+gradient depends on x itself (through x_hat and the statistics), and only a compressed x_hat is
+kept, so a graph of it would silently lack the x-dependent part (``first_order_only``).
 """
 from __future__ import annotations
 
@@ -26,12 +30,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..config import LayerQConfig
 from ..quant import Bits
 from ._saving import compress, load, restore, save
-from .linear import cast, dtype_of, memory_format_of
+from .linear import cast, dtype_of, first_order_only, memory_format_of
 
 
 
@@ -118,8 +121,8 @@ class BatchNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        first_order_only("QBatchNorm (batch_norm)")
         x_q, mean, invstd, weight = load(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -206,8 +209,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        first_order_only("QSyncBatchNorm")
         import torch.distributed as dist
 
         x_q, mean, invstd, weight = load(ctx)
@@ -258,8 +261,8 @@ class LayerNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        first_order_only("QLayerNorm (layer_norm)")
         x_q, mean, rstd, weight, bias = load(ctx)
         need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
                                   ctx.needs_input_grad[3])
@@ -308,8 +311,8 @@ class GroupNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        first_order_only("QGroupNorm (group_norm)")
         x_q, mean, rstd, weight = load(ctx)
         need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
                                   ctx.needs_input_grad[3])

@@ -37,17 +37,29 @@ The realised average over all compressed values is then at most the budget. Exce
 the first re-allocation applies (steps 1 and 2) every free layer uses the budget itself, so
 pinned layers wider than the budget are not yet compensated.
 
+A layer called several times in one forward (weight sharing, a recurrent cell) saves one
+compressed tensor per call, so every call counts: the layer's statistics of a step are those of
+all its calls in the root's training forward (rows stacked in call order, ``LayerStats.calls``
+and ``.values``), the re-allocation weighs the layer by all the values it saved, and each
+call's output gradient is recorded against that call's rows. Each call then spends the layer's
+width on its own batch. Calls outside the root's training forward (a checkpoint's
+recomputation in backward) get widths the same way but are not recorded: the step already
+counted them.
+
 Hooks: a forward pre-hook on the model root counts steps and re-allocates across layers; on
 each watched Q-layer a forward pre-hook computes the statistic and sets ``sample_bits``, and a
 forward hook puts a tensor hook on the output that records the output gradient's per-sample
 norms during backward (only on steps whose statistics the next re-allocation reads). Every
 hook is a bound method of an object owned by this strategy, so ``copy.deepcopy(model)`` gives
-an independent copy. State lives on the strategy (``model.actnn_zoo_precision``) and on the
-layers (``module.precision_stats``); none is global.
+an independent copy. A forward hook on the root (``always_call``) marks the end of its
+forward. State lives on the strategy (``model.actnn_zoo_precision``) and on the layers
+(``module.precision_stats``); none is global.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -62,6 +74,25 @@ from .stats import LayerKind, LayerStats, layer_kind, range_statistic, sample_gr
 __all__ = ["ActNNStrategy"]
 
 _LADDER = (1.0, 2.0, 4.0, 8.0)
+
+
+def _stack(parts: List[Optional[Tensor]]) -> Optional[Tensor]:
+    """The parts concatenated (one part: itself), or None when any is missing."""
+    if not parts or any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+
+
+@dataclass
+class _Call:
+    """One recorded call of a watched layer in the current step: the rows it compressed."""
+
+    step: int
+    samples: int
+    numel: int
+    range_sq: Optional[Tensor] = None
+    bits: Optional[Tensor] = None
+    grad_sq: Optional[Tensor] = None  # (samples,) once its output gradient arrived
 
 
 class _Watched:
@@ -80,19 +111,36 @@ class _Watched:
         self.fan = 1.0  # op factor x values per sample, from the last forward's shapes
         # gamma of the within-layer sensitivity model E[C_n | R_n] ~ R_n ** gamma (None: 1)
         self.exponent: Optional[Tensor] = None
+        self.calls: List[_Call] = []  # this step's recorded calls, in call order
+        self._call: Optional[_Call] = None  # the call now running, when recorded
+        self._step = -1  # the root step self.calls belong to
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Tuple) -> None:
         """Before the layer runs: record sizes; choose this batch's per-sample widths."""
         self.active = False
+        self._call = None
         x = args[0] if args else None
         if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
             # eval / no_grad: nothing is compressed; keep the last training statistics
             if self.pinned_bits is None:
                 module.sample_bits = None  # type: ignore[attr-defined]
             return
+        if self.strategy.in_forward and self._step != self.strategy.step:
+            self._new_step()
         with torch.no_grad():  # statistics are not part of the model's graph
             self._choose(module, x)
+
+    def _new_step(self) -> None:
+        """The first call in a root training forward: this step's totals start from zero
+        (the re-allocation has read the last step's in the root's pre-hook already). The last
+        recorded gradients are kept unless this step records new ones."""
+        self._step = self.strategy.step
+        self.calls = []
+        self.stats.samples = self.stats.numel = self.stats.values = self.stats.calls = 0
+        self.stats.bits = None
+        if self.strategy.record_grads:  # this step's gradients replace the last recorded ones
+            self.stats.sample_grad_sq = self.stats.grad_sq = None
 
     def _choose(self, module: nn.Module, x: Tensor) -> None:
         if x.numel() == 0 or not self.kind.compresses(module, x):
@@ -103,19 +151,25 @@ class _Watched:
             self._clear(module)
             return
         n = rows.shape[0]
-        self.stats.samples, self.stats.numel = n, rows.numel() // n
+        call = None
+        if self.strategy.in_forward:  # a checkpoint's recomputation is not counted again
+            call = self._call = _Call(self._step, n, rows.numel() // n)
+            self.calls.append(call)
         if self.pinned_bits is not None:
+            self._summarise()
             return
         budget = self.budget
         if not self.kind.modelled and budget in _LADDER:
             # No sensitivity model, and the plain budget is a width: every sample gets it.
             width = int(budget)
             if width == module.qconfig.bits:  # type: ignore[attr-defined]
-                module.sample_bits = self.stats.bits = None  # type: ignore[attr-defined]
+                module.sample_bits = None  # type: ignore[attr-defined]
             else:
                 full = torch.full((n,), width, dtype=torch.uint8, device=x.device)
                 module.sample_bits = SampleBits(full, width * n)  # type: ignore[attr-defined]
-                self.stats.bits = full
+                if call is not None:
+                    call.bits = full
+            self._summarise()
             return
         self.fan = self.kind.fan(module, rows)
         score = range_statistic(self.kind.saved(module, rows),
@@ -123,27 +177,52 @@ class _Watched:
         expected = score if self.exponent is None else score.pow(self.exponent)
         extra = extra_bits(budget, n)  # host number: budget is a host float
         bits = allocate_samples(expected, budget, self.strategy.table(score.device), extra)
-        self.stats.range_sq, self.stats.bits = score, bits
+        if call is not None:
+            call.range_sq, call.bits = score, bits
+        self._summarise()
         # plain attribute (not a buffer): skip nn.Module.__setattr__'s bookkeeping
         object.__setattr__(module, "sample_bits", SampleBits(bits, n + int(extra)))
         self.active = True
 
+    def _summarise(self) -> None:
+        """``stats`` = this step's calls together (rows stacked in call order). One call: its
+        tensors as they are; several: concatenated (small (samples,) tensors, no host read)."""
+        calls, st = self.calls, self.stats
+        st.calls = len(calls)
+        st.samples = sum(c.samples for c in calls)
+        st.values = sum(c.samples * c.numel for c in calls)
+        # values per row; exact unless calls differ in row size (then numel * samples is the
+        # floor of ``values``, which is what the re-allocation uses)
+        st.numel = st.values // st.samples if st.samples else 0
+        st.range_sq = _stack([c.range_sq for c in calls]) if calls else st.range_sq
+        st.bits = _stack([c.bits for c in calls])
+
     def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
         """After the layer runs: have the output's gradient measured, when it will be read."""
-        if (self.active and self.strategy.record_grads and isinstance(output, Tensor)
-                and output.requires_grad):
-            output.register_hook(self.grad_hook)
+        if (self.active and self._call is not None and self.strategy.record_grads
+                and isinstance(output, Tensor) and output.requires_grad):
+            output.register_hook(partial(self.grad_hook, self._call))
+        self._call = None
 
-    def grad_hook(self, grad: Tensor) -> None:
-        per_sample = sample_grad_sq(grad, self.stats.samples)
-        self.stats.sample_grad_sq = per_sample
-        self.stats.grad_sq = per_sample.mean()
+    def grad_hook(self, call: _Call, grad: Tensor) -> None:
+        """One call's output gradient; once every call of the step has one, the layer's."""
+        if call.step != self._step or not any(c is call for c in self.calls):
+            return  # a gradient of an earlier step (a retained graph run again)
+        call.grad_sq = sample_grad_sq(grad, call.samples)
+        per_sample = _stack([c.grad_sq for c in self.calls])
+        if per_sample is not None:
+            self.stats.sample_grad_sq = per_sample
+            self.stats.grad_sq = per_sample.mean()
 
     def _clear(self, module: nn.Module) -> None:
-        self.stats.samples = self.stats.numel = 0
-        self.stats.bits = None
+        """A call that compresses nothing: neither widths nor a recorded call."""
         if self.pinned_bits is None:
             module.sample_bits = None  # type: ignore[attr-defined]
+
+    def row_weights(self, device: torch.device) -> Tensor:
+        """(stats.samples,) float64: the values each recorded row saved (its call's numel)."""
+        return torch.cat([torch.full((c.samples,), float(c.numel), dtype=torch.float64,
+                                     device=device) for c in self.calls])
 
     # -- sensitivity ----------------------------------------------------------------------
     def factor(self) -> float:
@@ -190,6 +269,7 @@ class ActNNStrategy(PrecisionStrategy):
         self.step = 0  # training forwards of the model root seen so far
         self.updates = 0  # re-allocations applied so far
         self.record_grads = True
+        self.in_forward = False  # the root's training forward is running (its calls count)
         # a re-allocation on its way to the host: (budget of the free layers, the layers of
         # the joint solve, their widths to read at the next step)
         self._pending: Optional[Tuple[float, List[_Watched], Optional[DeferredRead]]] = None
@@ -220,6 +300,8 @@ class ActNNStrategy(PrecisionStrategy):
             self.watched.append(w)
         if self.watched:  # prepended: runs before a watched root layer's own pre-hook
             self._keep(model.register_forward_pre_hook(self.on_model_forward, prepend=True))
+            self._keep(model.register_forward_hook(self.on_model_forward_end,
+                                                   always_call=True))
 
     def detach(self) -> None:
         super().detach()
@@ -233,6 +315,7 @@ class ActNNStrategy(PrecisionStrategy):
         gradient statistics on the steps before those."""
         if not (model.training and torch.is_grad_enabled()):
             return
+        self.in_forward = True
         self.step += 1
         if self._pending is not None:
             self._apply(*self._pending)
@@ -242,16 +325,22 @@ class ActNNStrategy(PrecisionStrategy):
             self.reallocate()
         self.record_grads = self.step == 1 or self.step % k == 0
 
+    def on_model_forward_end(self, model: nn.Module, args: Tuple, output: object) -> None:
+        """The root's forward is over (also when it raised): later layer calls, such as a
+        checkpoint's recomputation in backward, are not counted as more saved tensors."""
+        self.in_forward = False
+
     def reallocate(self) -> None:
         """Per-layer average widths from the statistics of the last forward / backward; they
         apply from the next training step (:meth:`on_model_forward`)."""
-        seen = [w for w in self.watched if w.stats.numel > 0]
+        # every call of a layer saved its own tensor: stats.values counts them all
+        seen = [w for w in self.watched if w.stats.values > 0]
         free = [w for w in seen if w.pinned_bits is None]
-        total = sum(w.stats.numel * w.stats.samples for w in seen)
-        free_values = sum(w.stats.numel * w.stats.samples for w in free)
+        total = sum(w.stats.values for w in seen)
+        free_values = sum(w.stats.values for w in free)
         if not free_values:
             return
-        pinned_cost = sum(w.pinned_bits * w.stats.numel * w.stats.samples
+        pinned_cost = sum(w.pinned_bits * w.stats.values
                           for w in seen if w.pinned_bits is not None)
         b_free = (self.budget * total - pinned_cost) / free_values
         if b_free < 1.0 and not self._warned:
@@ -274,14 +363,17 @@ class ActNNStrategy(PrecisionStrategy):
                          * w.factor())
             joint.append(w)
             scores.append(c)
-            weights.append(torch.full((w.stats.samples,), float(w.stats.numel),
-                                      dtype=torch.float64, device=device))
+            weights.append(w.row_weights(device))
         read = None
         if joint:
-            widths = allocate_weighted(torch.cat(scores), torch.cat(weights), b_free,
+            weight = torch.cat(weights)
+            widths = allocate_weighted(torch.cat(scores), weight, b_free,
                                        self.table(device, torch.float64))
+            # each layer's average over the values it saved (all its calls)
+            sizes = [w.stats.samples for w in joint]
             read = DeferredRead(torch.stack([
-                part.mean() for part in torch.split(widths, [w.stats.samples for w in joint])]))
+                (b * v).sum() / v.sum() for b, v in zip(torch.split(widths, sizes),
+                                                        torch.split(weight, sizes))]))
         self._pending = (b_free, joint, read)
 
     def _apply(self, b_free: float, joint: List[_Watched],

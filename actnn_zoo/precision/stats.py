@@ -34,13 +34,17 @@ __all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_g
 class LayerStats:
     """Observations of one Q-layer, kept on ``module.precision_stats``.
 
-    ``numel`` and ``samples``: values per sample and samples compressed by the last training
-    forward (host ints, from shapes; 0 before the first). ``range_sq``: (samples,) float32
-    per-sample statistic of that forward, on the layer's device. ``grad_sq``: 0-d tensor, the
-    squared norm of the layer's output gradient per sample from the last recorded backward,
-    ``sample_grad_sq`` (samples,) the same for each sample.
-    ``bits``: the (samples,) widths the strategy chose for that forward (None when the layer
-    used its ``qconfig.bits``).
+    A layer may run several times in one training forward (weight sharing, a recurrent
+    cell): each call saves its own compressed tensor, so each call counts. ``calls``: how many
+    calls compressed in the last training forward; ``samples``: the rows they compressed,
+    all calls together (stacked in call order); ``values``: the values they compressed;
+    ``numel``: values per row (``values // samples``: exact when every call has the same row
+    size). Host ints, from shapes; 0 before the first. ``range_sq``: (samples,) float32
+    per-row statistic of that forward, on the layer's device. ``grad_sq``: 0-d tensor, the
+    squared norm of the layer's output gradient per row from the last recorded backward,
+    ``sample_grad_sq`` (samples,) the same for each row (each call's rows get that call's
+    output gradient). ``bits``: the (samples,) widths the strategy chose for that forward
+    (None when the layer used its ``qconfig.bits``).
     """
 
     numel: int = 0
@@ -49,6 +53,8 @@ class LayerStats:
     grad_sq: Optional[Tensor] = None
     sample_grad_sq: Optional[Tensor] = None
     bits: Optional[Tensor] = None
+    calls: int = 0
+    values: int = 0
 
 
 def range_statistic(t: Tensor, group_size: int) -> Tensor:
