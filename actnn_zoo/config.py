@@ -52,14 +52,23 @@ class LayerQConfig:
 # Bit-allocation strategies a QuantConfig may name (implemented in actnn_zoo.precision, whose
 # STRATEGY_CLASSES has the same names). 'uniform' gives every layer the same width; the others
 # read ``bits`` as an average budget in [BUDGET_MIN, BUDGET_MAX] rather than one width.
-# 'actnn' (auto precision: per-layer and per-sample widths from gradients) is the default.
-STRATEGIES: Tuple[str, ...] = ("uniform", "actnn")
+# 'actnn' (auto precision: per-layer and per-sample widths from gradients) is the default;
+# 'gact' chooses one width per saved tensor from probed gradient-variance sensitivities under
+# the same budget; 'acgc' chooses widths from an error bound (``error_fraction``), ``bits`` only
+# being its starting width, and reports the average it reaches.
+STRATEGIES: Tuple[str, ...] = ("uniform", "actnn", "gact", "acgc")
 DEFAULT_STRATEGY = "actnn"
 BUDGET_MIN, BUDGET_MAX = 1, 8
 GROUP_MULTIPLE = 32  # group sizes a config may ask for (the kernels accept multiples of 8)
+# 'acgc': the gradient error allowed, as a fraction of the gradient's norm squared
+DEFAULT_ERROR_FRACTION = 0.1
+ERROR_FRACTION_MAX = 1e6
 
 TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "capture",
-            "rules")
+            "error_fraction", "rules")
+# keys to_dict writes only when they differ from their default (a strategy-specific setting
+# does not clutter every other config's dict / YAML)
+_OPTIONAL_KEYS = MappingProxyType({"error_fraction": DEFAULT_ERROR_FRACTION})
 MATCHER_KEYS = ("type", "name", "pattern")
 ACTION_KEYS = ("bits", "group_size", "rounding", "skip")
 RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
@@ -159,6 +168,15 @@ def _check_interval(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"update_interval must be an integer >= 1, got {value!r}")
     return value
+
+
+def _check_error_fraction(value: object) -> float:
+    """'acgc''s e: the squared gradient error allowed, as a fraction of ||g||^2 (e > 0)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0.0 < float(value) <= ERROR_FRACTION_MAX or value != value):
+        raise ValueError(f"error_fraction must be a number in (0, {ERROR_FRACTION_MAX:g}], "
+                         f"got {value!r}")
+    return float(value)
 
 
 def _check_matcher(key: str, value: object) -> Tuple[str, ...]:
@@ -330,6 +348,9 @@ class QuantConfig:
     for the strategies that allocate widths per layer/sample (the default, 'actnn': 2 bits on
     average). ``update_interval`` is how often (in steps) such strategies re-allocate across
     layers. A rule's ``bits`` pins the layers it matches to that width under any strategy.
+    ``error_fraction`` (strategy 'acgc' only, default 0.1) is the squared gradient error each
+    layer's compression may cause, as a fraction of the squared gradient norm; the average
+    width is then an outcome (``bits`` is only the width before the first statistics).
     ``enabled: false`` converts nothing. ``capture`` (default true) also compresses what the
     converted model's training forward saves outside the Q-layers: functional calls and any
     other saved tensor (:mod:`actnn_zoo.capture`).
@@ -342,6 +363,7 @@ class QuantConfig:
     enabled: bool = True
     update_interval: int = 1
     capture: bool = True
+    error_fraction: float = DEFAULT_ERROR_FRACTION
     rules: Tuple[Rule, ...] = ()
     source: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -373,7 +395,8 @@ class QuantConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain dict of every setting (defaults included); ``from_dict`` reads it back."""
-        out = {k: getattr(self, k) for k in TOP_KEYS if k != "rules"}
+        out = {k: getattr(self, k) for k in TOP_KEYS if k != "rules"
+               and not (k in _OPTIONAL_KEYS and getattr(self, k) == _OPTIONAL_KEYS[k])}
         out["rules"] = [r.to_dict() for r in self.rules]
         return out
 
@@ -482,6 +505,7 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
         "enabled": lambda v: _check_bool(v, "enabled"),
         "capture": lambda v: _check_bool(v, "capture"),
         "update_interval": _check_interval,
+        "error_fraction": _check_error_fraction,
     }
     for key, check in checks.items():
         if key in out:

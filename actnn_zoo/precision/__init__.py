@@ -10,7 +10,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping, Type
 
+from .acgc import ACGCStrategy
 from .actnn import ActNNStrategy
+from .gact import GACTStrategy, greedy_widths
 from .base import PRECISION_ATTR, PrecisionStrategy, TrackedLayer, UniformStrategy
 from .solver import allocate_samples, allocate_weighted, quantization_cost
 from .stats import LayerStats, layer_kind, range_statistic
@@ -18,7 +20,8 @@ from .stats import LayerStats, layer_kind, range_statistic
 if TYPE_CHECKING:
     from ..config import QuantConfig
 
-__all__ = ["PrecisionStrategy", "UniformStrategy", "ActNNStrategy", "TrackedLayer",
+__all__ = ["PrecisionStrategy", "UniformStrategy", "ActNNStrategy", "GACTStrategy",
+           "ACGCStrategy", "greedy_widths", "TrackedLayer",
            "LayerStats", "STRATEGY_CLASSES", "PRECISION_ATTR", "build_strategy",
            "allocate_samples", "allocate_weighted", "quantization_cost", "layer_kind",
            "range_statistic"]
@@ -27,6 +30,8 @@ __all__ = ["PrecisionStrategy", "UniformStrategy", "ActNNStrategy", "TrackedLaye
 STRATEGY_CLASSES: Mapping[str, Type[PrecisionStrategy]] = MappingProxyType({
     UniformStrategy.name: UniformStrategy,
     ActNNStrategy.name: ActNNStrategy,
+    GACTStrategy.name: GACTStrategy,
+    ACGCStrategy.name: ACGCStrategy,
 })
 
 

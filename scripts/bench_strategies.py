@@ -1,0 +1,172 @@
+"""The four precision strategies at a 2-bit average on DigitsResNet, and GACT's sensitivity
+estimators compared.
+
+1. Sensitivities: the joint probe (``estimator="joint"``: 3 passes per update, module doc of
+   ``actnn_zoo/precision/gact.py``) against GACT's per-tensor one (1 + L passes), each averaged
+   over ``--repeats`` probes on one batch: Spearman rank correlation of C_l, and how many
+   tensors get the same width at a 2-bit budget.
+2. Gradient fidelity: on one fixed test batch of a briefly fp32-trained DigitsResNet (dropout
+   off), ``--passes`` compressed backward passes per strategy against the exact fp32 gradient:
+   the variance (mean squared deviation, summed over the conv / linear weights) and the mean
+   cosine. AC-GC's average width is an outcome: the error fraction e whose average is closest
+   to 2 bits is picked from a scan and reported.
+
+    .venv/bin/python scripts/bench_strategies.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import actnn_zoo as az  # noqa: E402
+from actnn_zoo.convert import precision_strategy  # noqa: E402
+from actnn_zoo.data import load_digits_data  # noqa: E402
+from bench_precision import gradients, is_weight, train_fp32  # noqa: E402
+
+Setup = Optional[Callable[[nn.Module], None]]
+
+
+def spearman(a: List[float], b: List[float]) -> float:
+    ra = torch.tensor(a).argsort().argsort().double()
+    rb = torch.tensor(b).argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def probed(base: nn.Module, x: Tensor, y: Tensor, estimator: str, repeats: int,
+           seed: int) -> Tuple[Dict[str, float], Dict[str, float], float, int]:
+    """(C_l, widths at 2 bits, seconds, passes) of one probe (``repeats`` averaged)."""
+    torch.manual_seed(seed)
+    model = az.convert_model(copy.deepcopy(base), strategy="gact", bits=2,
+                             update_interval=1000)
+    s = precision_strategy(model)
+    s.estimator, s.probe_repeats, s.probe_samples = estimator, repeats, 8
+    gradients(model, x, y)  # step 1: recorded
+    t = time.perf_counter()
+    gradients(model, x, y)  # step 2: probe
+    dt = time.perf_counter() - t
+    gradients(model, x, y)  # step 3: applied
+    return s.sensitivities(), s.layer_budgets(), dt, s.probe_passes
+
+
+def fidelity(base: nn.Module, cfg: dict, x: Tensor, y: Tensor, exact: Dict[str, Tensor],
+             passes: int, seed: int, setup: Setup = None) -> Tuple[float, float, float]:
+    """(weights' variance, mean cosine of the whole gradient, realised average bits)."""
+    torch.manual_seed(seed)
+    model = az.convert_model(copy.deepcopy(base), cfg)
+    if setup is not None:
+        setup(model)
+    for _ in range(4):  # the strategies' first update has applied after this
+        gradients(model, x, y)
+    var = cos = 0.0
+    flat_exact = torch.cat([g.flatten() for g in exact.values()]).double()
+    for _ in range(passes):
+        g = gradients(model, x, y)
+        var += sum(float((g[n] - exact[n]).double().square().sum()) for n in g
+                   if is_weight(n, base)) / passes
+        flat = torch.cat([g[n].flatten() for n in exact]).double()
+        cos += float(F.cosine_similarity(flat, flat_exact, dim=0)) / passes
+    s = precision_strategy(model)
+    bits = s.report()["average_bits"] if hasattr(s, "report") else _actnn_bits(s, cfg)
+    return var, cos, bits
+
+
+def _actnn_bits(s, cfg: dict) -> float:
+    bits = values = 0.0
+    for w in getattr(s, "watched", []):
+        st = w.stats
+        if not st.numel:
+            continue
+        n = st.numel * st.samples
+        b = (float(st.bits.double().mean()) if st.bits is not None
+             else float(w.pinned_bits or w.module.qconfig.bits))
+        bits, values = bits + b * n, values + n
+    return bits / values if values else float(cfg["bits"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fidelity-only", action="store_true", help="skip part 1")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    passes, repeats, steps = (8, 2, 30) if args.quick else (24, 4, 100)
+    data = load_digits_data()
+    x, y = data.x_test[:128], data.y_test[:128]
+    base = train_fp32(steps, args.seed)
+    base.dropout.p = 0.0
+    exact = gradients(copy.deepcopy(base), x, y)
+
+    print(f"DigitsResNet after {steps} fp32 steps, batch of {len(y)} digits test images")
+    if not args.fidelity_only:
+        compare(base, x, y, repeats, args.seed)
+    rows = fidelity_rows(base, x, y, exact, passes, args.seed)
+    u = rows["uniform 2"][0]
+    print(f"   {'strategy':22s} {'avg bits':>8s} {'variance':>10s} {'/ uniform':>9s} "
+          f"{'cosine':>8s}")
+    for name, (v, c, b) in rows.items():
+        print(f"   {name:22s} {b:8.3f} {v:10.4g} {v / u:9.3f} {c:8.4f}")
+
+
+def compare(base: nn.Module, x: Tensor, y: Tensor, repeats: int, seed: int) -> None:
+    """Part 1: the joint and per-tensor estimators on the same batch."""
+    cj, wj, tj, pj = probed(base, x, y, "joint", repeats, seed + 1)
+    cp, wp, tp, pp = probed(base, x, y, "per_tensor", repeats, seed + 1)
+    names = sorted(cj)
+    rho = spearman([cj[n] for n in names], [cp[n] for n in names])
+    same = sum(wj[n] == wp[n] for n in names)
+    print(f"\n1. sensitivities, {len(names)} tensors, probe of 8 samples, {repeats} repeats")
+    print(f"   joint:      {pj} passes ({pj // repeats} per probe), {tj:.2f} s")
+    print(f"   per-tensor: {pp} passes ({pp // repeats} per probe), {tp:.2f} s")
+    print(f"   Spearman rank correlation of C_l: {rho:.3f}; same width at 2 bits: "
+          f"{same}/{len(names)}")
+    for n in names:
+        print(f"     {n:24s} C joint {cj[n]:10.4g}  per-tensor {cp[n]:10.4g}  "
+              f"bits {wj[n]:.0f} / {wp[n]:.0f}")
+
+
+def fidelity_rows(base: nn.Module, x: Tensor, y: Tensor, exact: Dict[str, Tensor],
+                  passes: int, seed: int) -> Dict[str, Tuple[float, float, float]]:
+    """Part 2: every strategy at (about) 2 bits on average."""
+    print(f"\n2. gradient fidelity at a 2-bit average, {passes} passes each")
+    rows: Dict[str, Tuple[float, float, float]] = {}
+    common = {"bits": 2, "update_interval": 1000}
+    rows["uniform 2"] = fidelity(base, {**common, "strategy": "uniform"}, x, y, exact, passes,
+                                 seed + 2)
+    rows["actnn 2"] = fidelity(base, {**common, "strategy": "actnn"}, x, y, exact, passes,
+                               seed + 2)
+    rows["gact 2 (joint)"] = fidelity(base, {**common, "strategy": "gact"}, x, y, exact,
+                                      passes, seed + 2)
+
+    def per_tensor(m: nn.Module) -> None:
+        precision_strategy(m).estimator = "per_tensor"
+    rows["gact 2 (per-tensor)"] = fidelity(base, {**common, "strategy": "gact"}, x, y, exact,
+                                           passes, seed + 2, per_tensor)
+    scan = {}
+    for e in (0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0):
+        scan[e] = fidelity(base, {"strategy": "acgc", "error_fraction": e,
+                                  "update_interval": 2}, x, y, exact, 2, seed + 2)
+    print("   acgc scan (e: average bits): " + ", ".join(f"{e:g}: {v[2]:.2f}"
+                                                        for e, v in scan.items()))
+    best = min(scan, key=lambda e: abs(scan[e][2] - 2.0))
+    rows[f"acgc e={best:g}"] = fidelity(base, {"strategy": "acgc", "error_fraction": best,
+                                               "update_interval": 2}, x, y, exact, passes,
+                                        seed + 2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
