@@ -6,7 +6,11 @@ from setuptools import find_packages, setup
 import torch
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-march=native"]
+# Portable unless ACTNN_ZOO_NATIVE=1 (a -march=native build dies with SIGILL on an older CPU);
+# actnn_zoo/quant/backend.py uses the same rule for just-in-time builds.
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+if os.environ.get("ACTNN_ZOO_NATIVE", "0") == "1":
+    CXX_FLAGS.append("-march=native")
 NVCC_FLAGS = ["-O3", "--fmad=false"]
 cpu_sources = ["cpp_ext/quant_cpu.cpp", "cpp_ext/widths_cpu.cpp",
                "cpp_ext/bindings.cpp"]

@@ -20,7 +20,11 @@ from . import reference
 _SOURCES = Path(__file__).resolve().parents[2] / "cpp_ext"
 CPU_SOURCES = ("quant_cpu.cpp", "widths_cpu.cpp", "bindings.cpp")
 CUDA_SOURCES = ("quant_cuda.cu",)
-CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-march=native"]
+# Portable by default: -march=native in a wheel or a shared JIT cache dies with SIGILL on an
+# older CPU. ACTNN_ZOO_NATIVE=1 opts in (setup.py reads the same variable); the kernels are
+# memory-bound and the portable build measured within noise of native (README, "Kernels").
+NATIVE = os.environ.get("ACTNN_ZOO_NATIVE", "0") == "1"
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"] + (["-march=native"] if NATIVE else [])
 NVCC_FLAGS = ["-O3", "--fmad=false"]
 LD_FLAGS = ["-fopenmp"]
 
@@ -35,7 +39,7 @@ def _jit_build() -> ModuleType:
         sources += [str(_SOURCES / s) for s in CUDA_SOURCES]
         extra = {"extra_cuda_cflags": NVCC_FLAGS + ["-DACTNN_ZOO_CUDA"]}
     cflags = CXX_FLAGS + (["-DACTNN_ZOO_CUDA"] if cuda else [])
-    return load(name="actnn_zoo_C", sources=sources, extra_cflags=cflags,
+    return load(name="actnn_zoo_C_native" if NATIVE else "actnn_zoo_C", sources=sources, extra_cflags=cflags,
                 extra_ldflags=LD_FLAGS, verbose=False, **extra)
 
 
