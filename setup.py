@@ -35,7 +35,7 @@ setup(
     description="Activation-compressed training for PyTorch: quantized drop-in layers",
     packages=find_packages(include=["actnn_zoo", "actnn_zoo.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.1", "pyyaml"],
+    install_requires=["torch>=2.4", "pyyaml"],  # torch.get_autocast_dtype(device_type) needs 2.4
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )
