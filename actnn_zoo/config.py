@@ -65,10 +65,11 @@ DEFAULT_ERROR_FRACTION = 0.1
 ERROR_FRACTION_MAX = 1e6
 
 TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "capture",
-            "error_fraction", "rules")
+            "capture_bits", "error_fraction", "rules")
 # keys to_dict writes only when they differ from their default (a strategy-specific setting
 # does not clutter every other config's dict / YAML)
-_OPTIONAL_KEYS = MappingProxyType({"error_fraction": DEFAULT_ERROR_FRACTION})
+_OPTIONAL_KEYS = MappingProxyType({"error_fraction": DEFAULT_ERROR_FRACTION,
+                                   "capture_bits": None})
 MATCHER_KEYS = ("type", "name", "pattern")
 ACTION_KEYS = ("bits", "group_size", "rounding", "skip")
 RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
@@ -168,6 +169,11 @@ def _check_interval(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"update_interval must be an integer >= 1, got {value!r}")
     return value
+
+
+def _check_capture_bits(value: object) -> Optional[int]:
+    """The capture tiers' width: one of the supported widths, or None for the layers' width."""
+    return None if value is None else check_bits(value, "capture_bits")
 
 
 def _check_error_fraction(value: object) -> float:
@@ -353,7 +359,9 @@ class QuantConfig:
     width is then an outcome (``bits`` is only the width before the first statistics).
     ``enabled: false`` converts nothing. ``capture`` (default true) also compresses what the
     converted model's training forward saves outside the Q-layers: functional calls and any
-    other saved tensor (:mod:`actnn_zoo.capture`).
+    other saved tensor (:mod:`actnn_zoo.capture`); ``capture_bits`` (default: the width of
+    ``bits``) is the width tiers 2-3 use, so that a model can keep its Q-layers at 2 bits and
+    compress what the capture tiers see (attention operands, products) with more.
     """
 
     bits: Union[int, float] = 2
@@ -363,6 +371,7 @@ class QuantConfig:
     enabled: bool = True
     update_interval: int = 1
     capture: bool = True
+    capture_bits: Optional[int] = None
     error_fraction: float = DEFAULT_ERROR_FRACTION
     rules: Tuple[Rule, ...] = ()
     source: Optional[str] = field(default=None, compare=False, repr=False)
@@ -504,6 +513,7 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
         "rounding": _check_rounding,
         "enabled": lambda v: _check_bool(v, "enabled"),
         "capture": lambda v: _check_bool(v, "capture"),
+        "capture_bits": _check_capture_bits,
         "update_interval": _check_interval,
         "error_fraction": _check_error_fraction,
     }

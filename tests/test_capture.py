@@ -540,3 +540,68 @@ def test_transformers_models_save_8x_less_at_the_2_bit_default(name):
                                            az.capture_report(q), small.table(10))
     q(x).logits.float().sum().backward()  # and it trains
     assert all(torch.isfinite(p.grad).all() for p in q.parameters() if p.grad is not None)
+
+
+def test_capture_bits_sets_the_width_of_tiers_2_and_3_only():
+    """``capture_bits`` changes what the capture tiers store, not the Q-layers' payloads."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 64), _Product())
+    x = torch.randn(32, 64, 64, requires_grad=True)
+    sizes = {}
+    for cb in (None, 2, 4, 8):
+        kw = {} if cb is None else {"capture_bits": cb}
+        q = az.convert_model(copy.deepcopy(ref), bits=2, strategy="uniform", **kw)
+        sizes[cb] = saved_activation_bytes(q, x).total_bytes
+        assert q[0].qconfig.bits == 2
+    assert sizes[None] == sizes[2] < sizes[4] < sizes[8]
+    # the product saves two 32 x 64 x 64 operands: 2 more bits each from 2 to 4 bits
+    assert sizes[4] - sizes[2] == 2 * 32 * 64 * 64 * 2 // 8
+    with pytest.raises(ValueError, match="capture_bits"):
+        az.QuantConfig.from_dict({"capture_bits": 3})
+    cfg = az.QuantConfig.from_dict({"capture_bits": 4})
+    assert az.QuantConfig.from_dict(cfg.to_dict()) == cfg
+
+
+class _Product(nn.Module):
+    """``h * (h + 1)``: mul saves both operands, which only tier 3 compresses."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h * (h + 1.0)
+
+
+class _CheckpointedGelu(nn.Module):
+    def __init__(self, context: bool) -> None:
+        super().__init__()
+        self.l, self.o = nn.Linear(64, 64), nn.Linear(64, 4)
+        self.context = context
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        kw = {}
+        if self.context:
+            from actnn_zoo.capture import checkpoint_context
+
+            kw["context_fn"] = checkpoint_context(self)
+        return self.o(checkpoint(lambda h: F.gelu(self.l(h)), x, use_reentrant=False, **kw))
+
+
+def test_routed_calls_inside_a_non_reentrant_checkpoint_need_checkpoint_context():
+    torch.manual_seed(0)
+    x = torch.randn(128, 64)
+    plain = az.convert_model(_CheckpointedGelu(context=False))
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        plain(x).sum().backward()  # the recomputation ran the plain gelu: other saves
+    ref = _CheckpointedGelu(context=False)
+    ref.load_state_dict(plain.state_dict())
+    ref(x).sum().backward()
+    q = az.convert_model(_CheckpointedGelu(context=True), bits=8, strategy="uniform")
+    q.load_state_dict(ref.state_dict())
+    q(x).sum().backward()
+    assert az.capture_report(q).routed == {"gelu": 1}
+    for a, b in zip(ref.parameters(), q.parameters()):
+        assert cos(b.grad, a.grad) >= 0.9999
+    with pytest.raises(ValueError, match="not converted with capture"):
+        from actnn_zoo.capture import checkpoint_context
+
+        checkpoint_context(nn.Linear(2, 2))

@@ -7,12 +7,12 @@ op saves (tier 3, :mod:`.store`), compressing each tensor once however many ops 
 docs/design.md, "Capture everything a model saves".
 """
 from .attach import (CAPTURE_ATTR, MIN_NUMEL, Capture, CaptureSession, attach_capture,
-                     capture_report, capturing, detach_capture)
+                     capture_report, capturing, checkpoint_context, detach_capture)
 from .handlers import HANDLERS
 from .session import active_session, observing
 from .store import CaptureStats, CompressedStore
 
 __all__ = ["Capture", "CaptureSession", "CaptureStats", "CompressedStore", "HANDLERS",
-           "attach_capture", "detach_capture", "capture_report", "capturing", "active_session",
+           "attach_capture", "detach_capture", "capture_report", "capturing", "checkpoint_context", "active_session",
            "observing",
            "CAPTURE_ATTR", "MIN_NUMEL"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from .mode import CaptureMode
 from .store import CaptureStats, CompressedStore
 
 __all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
-           "capturing", "CAPTURE_ATTR", "MIN_NUMEL"]
+           "capturing", "checkpoint_context", "CAPTURE_ATTR", "MIN_NUMEL"]
 
 CAPTURE_ATTR = "actnn_zoo_capture"
 # Saved tensors with fewer values stay as they are: their bytes are negligible next to the
@@ -113,12 +113,42 @@ class Capture:
         return state
 
 
+class _Routing:
+    """What a handler reads of a session (its settings and counters): a checkpoint's
+    recomputation routes with it, outside any session, so it has no store of its own."""
+
+    def __init__(self, qconfig: LayerQConfig) -> None:
+        self.qconfig = qconfig
+        self.stats = CaptureStats()
+
+
+def checkpoint_context(model: nn.Module) -> Callable[[], Tuple[Any, Any]]:
+    """``context_fn`` for ``torch.utils.checkpoint(fn, ..., use_reentrant=False,
+    context_fn=checkpoint_context(model))`` inside a converted model's forward.
+
+    A non-reentrant checkpoint recomputes ``fn`` in backward, after the forward's capture
+    session has closed; functional calls that tier 2 routed in forward would then run as
+    plain torch ops, save other tensors, and torch raises ``CheckpointError``. With this
+    ``context_fn`` the recomputation routes the same calls to the same Functions.
+    """
+    capture = vars(model).get(CAPTURE_ATTR)
+    if not isinstance(capture, Capture):
+        raise ValueError(f"checkpoint_context: {type(model).__name__} was not converted with "
+                         "capture on (convert_model(..., capture=True) on the root)")
+    qconfig = capture.qconfig
+
+    def context_fn() -> Tuple[Any, Any]:
+        return contextlib.nullcontext(), CaptureMode(_Routing(qconfig), HANDLERS)
+    return context_fn
+
+
 def attach_capture(root: nn.Module, cfg: QuantConfig) -> None:
     """Attach tiers 2 and 3 to a converted root (any earlier capture is detached first)."""
     detach_capture(root)
     if not cfg.capture or not cfg.enabled:
         return
-    qconfig = LayerQConfig(bits=cfg.layer_bits(), group_size=cfg.group_size,
+    bits = cfg.layer_bits() if cfg.capture_bits is None else cfg.capture_bits
+    qconfig = LayerQConfig(bits=bits, group_size=cfg.group_size,
                            rounding=cfg.rounding)
     capture = Capture(qconfig)
     capture.attach(root)
