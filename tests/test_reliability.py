@@ -581,3 +581,25 @@ def test_the_host_read_guard_sees_the_package(package_host_reads):
     torch.ones(()).item()  # a read outside the package is not listed
     assert package_host_reads == [(str(Path("nn") / "linear.py"), "<module>", "item"),
                                   (str(Path("nn") / "linear.py"), "<module>", "__bool__")]
+
+
+@pytest.mark.parametrize("strategy", ["gact", "acgc"])
+@pytest.mark.parametrize("half", [False, True], ids=["same", "half_batch"])
+def test_a_layer_called_twice_weighs_twice_under_gact_and_acgc(strategy, half):
+    """The statistics the budget reads (samples, values) cover both calls of the shared layer
+    in every training step, not only its last call."""
+    torch.manual_seed(0)
+    model = az.convert_model(SharedNet(half), bits=2, strategy=strategy, update_interval=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = 16
+    for step in range(5):
+        x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        shared = model.shared.precision_stats
+        second = batch // 2 if half else batch
+        assert shared.calls == 2, step
+        assert shared.samples == batch + second and shared.values == 64 * (batch + second)
+        once = model.out.precision_stats
+        assert once.calls == 1 and once.samples == batch

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
-from .stats import LayerKind, LayerStats, layer_kind, range_statistic
+from .stats import LayerKind, LayerStats, count_call, layer_kind, range_statistic
 
 __all__ = ["ACGCStrategy", "WINDOW"]
 
@@ -66,6 +66,7 @@ class _Layer:
         self.width: int = int(tl.module.qconfig.bits)  # type: ignore[attr-defined]
         self.fan = 1.0
         self.recording = False
+        self._counted: Optional[int] = None  # the step stats.* belong to
         self._full: Optional[SampleBits] = None
         # device sums over the window: [||g_W||^2 or ||g_x||^2, ||g_y||^2, R, values]
         self.sums: Optional[Tensor] = None
@@ -98,7 +99,9 @@ class _Layer:
         if rows.dim() <= 1:
             return
         n = rows.shape[0]
-        self.stats.samples, self.stats.numel = n, rows.numel() // n
+        step = self.strategy.step
+        count_call(self.stats, step != self._counted, n, rows.numel() // n)
+        self._counted = step
         if self.strategy.recording and self.pinned_bits is None:
             self.recording = True
             with torch.no_grad():

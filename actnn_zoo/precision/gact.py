@@ -75,7 +75,7 @@ from torch import Tensor, nn
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
-from .stats import LayerKind, LayerStats, layer_kind
+from .stats import LayerKind, LayerStats, count_call, layer_kind
 
 __all__ = ["GACTStrategy", "greedy_widths", "variance_cost", "ESTIMATORS"]
 
@@ -180,6 +180,7 @@ class _Layer:
         self.sensitivity: Optional[float] = None  # C_l, host, from the last applied update
         self._full: Optional[SampleBits] = None  # cached uniform widths for this batch size
         self.quantized = False  # the last forward compressed a tensor of this layer
+        self._counted: Optional[Tuple[int, bool]] = None  # the forward stats.* belong to
 
     @property
     def free(self) -> bool:
@@ -206,7 +207,9 @@ class _Layer:
         if rows.dim() <= 1:
             return
         n = rows.shape[0]
-        self.stats.samples, self.stats.numel = n, rows.numel() // n
+        key = (s.step, s.probing)  # a probe pass is its own forward
+        count_call(self.stats, key != self._counted, n, rows.numel() // n)
+        self._counted = key
         self.quantized = True
         if self.pinned_bits is not None:
             return

@@ -57,6 +57,18 @@ class LayerStats:
     values: int = 0
 
 
+def count_call(stats: LayerStats, first: bool, samples: int, numel: int) -> None:
+    """Add one call's saved size to ``stats``: the first call of a step restarts the totals, a
+    later call of the same layer in that step (weight sharing, recurrence) adds to them, so a
+    layer called twice weighs twice in the budget."""
+    if first:
+        stats.calls = stats.values = stats.samples = 0
+    stats.calls += 1
+    stats.values += samples * numel
+    stats.samples += samples
+    stats.numel = stats.values // max(1, stats.samples)
+
+
 def range_statistic(t: Tensor, group_size: int) -> Tensor:
     """(N,) float32: per sample, ``sum_g len_g * (max_g - min_g)^2`` over its groups.
 
