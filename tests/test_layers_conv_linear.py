@@ -332,3 +332,18 @@ def test_input_without_grad_still_gives_parameter_grads(name):
     (q(x, **kw) * g).sum().backward()
     for a, b in zip(ref.parameters(), q.parameters()):
         assert b.grad is not None and cos(b.grad, a.grad) >= 0.9999
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("padding", ["same", "valid", 1, (2, 1, 0)])
+def test_pad_widths_match_torchs_for_non_zero_padding_modes(dims, padding):
+    """QConv's F.pad widths come from public attributes; torch's own (private) value is the
+    oracle here only."""
+    from actnn_zoo.nn.conv import pad_widths
+
+    cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+    pad = padding[:dims] if isinstance(padding, tuple) else padding
+    conv = cls(2, 2, (4, 3, 2)[:dims], padding=pad, dilation=(1, 2, 3)[:dims],
+               padding_mode="reflect")
+    assert pad_widths(conv.padding, conv.kernel_size, conv.dilation) == tuple(
+        conv._reversed_padding_repeated_twice)

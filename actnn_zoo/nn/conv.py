@@ -32,6 +32,22 @@ def _run(module: QModule, x: Tensor, spec: ConvSpec) -> Tensor:
     return out.squeeze(0) if unbatched else out
 
 
+def pad_widths(padding: Union[str, Tuple[int, ...]], kernel_size: Tuple[int, ...],
+               dilation: Tuple[int, ...]) -> Tuple[int, ...]:
+    """``F.pad`` widths (last dimension first, left then right) of a convolution whose
+    ``padding_mode`` is not 'zeros', from its public attributes: what nn.ConvNd keeps in a
+    private attribute. 'same' puts the odd extra value on the right, as torch does."""
+    if padding == "valid":
+        return (0,) * (2 * len(kernel_size))
+    if padding == "same":
+        out: List[int] = []
+        for d, k in zip(reversed(dilation), reversed(kernel_size)):
+            total = d * (k - 1)
+            out += [total // 2, total - total // 2]
+        return tuple(out)
+    return tuple(p for p in reversed(tuple(padding)) for _ in range(2))
+
+
 class _QConvNd(QModule):
     """forward for QConv1d/2d/3d (mirrors nn.ConvNd._conv_forward)."""
 
@@ -43,7 +59,7 @@ class _QConvNd(QModule):
         if self.padding_mode != "zeros":  # torch: F.pad(x, ..., mode) then padding 0
             spec = ConvSpec(self._DIMS, tuple(self.stride), (0,) * self._DIMS,
                             tuple(self.dilation), self.groups, pad_mode=self.padding_mode,
-                            pad_nd=tuple(self._reversed_padding_repeated_twice))
+                            pad_nd=pad_widths(self.padding, self.kernel_size, self.dilation))
         else:
             padding = self.padding if isinstance(self.padding, str) else tuple(self.padding)
             spec = ConvSpec(self._DIMS, tuple(self.stride), padding, tuple(self.dilation),
