@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -37,6 +37,13 @@ from .session import current_observer
 __all__ = ["CompressedStore", "CaptureStats", "dense_order"]
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _eager(fn: Callable) -> Callable:
+    """Run ``fn`` eagerly under ``torch.compile``: the store's bookkeeping (storage addresses,
+    weak references, the extension's kernels) is host code that dynamo would otherwise try to
+    trace and recompile for every dtype and shape it meets. Costs ~0.5 us per call in eager."""
+    return torch.compiler.disable(fn)
 
 
 @dataclass
@@ -154,6 +161,7 @@ class CompressedStore:
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", QuantizedTensor]] = {}
 
     # -- the one store ---------------------------------------------------------------------
+    @_eager
     def compress(self, x: Tensor, bits: Bits, group_size: int, rounding: str,
                  owner: Optional[Tensor] = None, quantize_fn: Any = None) -> QuantizedTensor:
         """``quantize(x, ...)``, answered from the store when the same memory at the same
@@ -175,6 +183,7 @@ class CompressedStore:
         self._cache[key] = (weakref.ref(owner), q)
         return q
 
+    @_eager
     def keep(self, t: Tensor) -> None:
         """Mark a tensor a zoo Function saves on purpose (a payload, exact statistics): tier 3
         passes it through."""
@@ -186,6 +195,7 @@ class CompressedStore:
         return ref is not None and ref() is not None
 
     # -- tier 3: saved-tensor hooks ----------------------------------------------------------
+    @_eager
     def pack(self, t: Tensor) -> Any:
         saved = self._pack(t)
         observer = current_observer()
@@ -195,6 +205,7 @@ class CompressedStore:
         return _Observed(saved, [observer(k) for k in kept])
 
     @staticmethod
+    @_eager
     def unpack(saved: Any) -> Tensor:
         if isinstance(saved, _Observed):
             saved = saved.inner
