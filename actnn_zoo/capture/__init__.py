@@ -13,6 +13,6 @@ from .session import active_session, observing
 from .store import CaptureStats, CompressedStore
 
 __all__ = ["Capture", "CaptureSession", "CaptureStats", "CompressedStore", "HANDLERS",
-           "attach_capture", "detach_capture", "capture_report", "capturing", "checkpoint_context", "active_session",
-           "observing",
+           "attach_capture", "detach_capture", "capture_report", "capturing", "checkpoint_context",
+           "active_session", "observing",
            "CAPTURE_ATTR", "MIN_NUMEL"]

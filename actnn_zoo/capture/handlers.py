@@ -251,8 +251,9 @@ def _attention(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]
     session.stats.route("scaled_dot_product_attention")
     return A.scaled_dot_product_attention(
         q, k, v, _arg(args, kwargs, 3, "attn_mask", None),
-        float(_arg(args, kwargs, 4, "dropout_p", 0.0)), bool(_arg(args, kwargs, 5, "is_causal", False)),
-        _arg(args, kwargs, 6, "scale", None), bool(_arg(args, kwargs, 7, "enable_gqa", False)),
+        float(_arg(args, kwargs, 4, "dropout_p", 0.0)),
+        bool(_arg(args, kwargs, 5, "is_causal", False)), _arg(args, kwargs, 6, "scale", None),
+        bool(_arg(args, kwargs, 7, "enable_gqa", False)),
         qconfig=session.qconfig, bits=max(int(session.qconfig.bits), ATTENTION_MIN_BITS))
 
 

@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
-from .stats import LayerKind, LayerStats, count_call, layer_kind, range_statistic
+from .stats import (LayerKind, LayerStats, count_call, layer_kind, range_statistic,
+                    set_width)
 
 __all__ = ["ACGCStrategy", "WINDOW"]
 
@@ -114,17 +115,7 @@ class _Layer:
                 x.register_hook(self.input_grad)
         if self.pinned_bits is not None:
             return
-        if self.width == module.qconfig.bits:  # type: ignore[attr-defined]
-            object.__setattr__(module, "sample_bits", None)
-            self.stats.bits = None
-            return
-        full = self._full
-        if full is None or full.bits.shape[0] != n or full.bits.device != x.device \
-                or full.max_sum != n * self.width:
-            full = self._full = SampleBits(
-                torch.full((n,), self.width, dtype=torch.uint8, device=x.device), n * self.width)
-        object.__setattr__(module, "sample_bits", full)
-        self.stats.bits = full.bits
+        self._full = set_width(module, self.stats, self.width, n, x.device, self._full)
 
     def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
         if self.recording and isinstance(output, Tensor) and output.requires_grad:

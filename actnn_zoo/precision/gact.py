@@ -75,7 +75,7 @@ from torch import Tensor, nn
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
-from .stats import LayerKind, LayerStats, count_call, layer_kind
+from .stats import LayerKind, LayerStats, count_call, layer_kind, set_width
 
 __all__ = ["GACTStrategy", "greedy_widths", "variance_cost", "ESTIMATORS"]
 
@@ -213,17 +213,7 @@ class _Layer:
         self.quantized = True
         if self.pinned_bits is not None:
             return
-        if self.width == module.qconfig.bits:  # type: ignore[attr-defined]
-            object.__setattr__(module, "sample_bits", None)
-            self.stats.bits = None
-            return
-        full = self._full
-        if full is None or full.bits.shape[0] != n or full.bits.device != x.device \
-                or full.max_sum != n * self.width:
-            full = self._full = SampleBits(
-                torch.full((n,), self.width, dtype=torch.uint8, device=x.device), n * self.width)
-        object.__setattr__(module, "sample_bits", full)
-        self.stats.bits = full.bits
+        self._full = set_width(module, self.stats, self.width, n, x.device, self._full)
 
     def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
         """After the layer: back to a neutral seed, so what follows is the same in every pass."""

@@ -24,7 +24,7 @@ from ..nn import conv as qconv
 from ..nn import norm as qnorm
 from ..nn.linear import QLinear
 from ..nn.softmax import QSoftmax
-from ..quant.api import as_rows
+from ..quant.api import SampleBits, as_rows
 from ..quant.backend import extension
 
 __all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq"]
@@ -67,6 +67,24 @@ def count_call(stats: LayerStats, first: bool, samples: int, numel: int) -> None
     stats.values += samples * numel
     stats.samples += samples
     stats.numel = stats.values // max(1, stats.samples)
+
+
+def set_width(module: nn.Module, stats: LayerStats, width: int, samples: int,
+              device: torch.device, cache: Optional[SampleBits]) -> Optional[SampleBits]:
+    """Give every sample of this call ``width`` bits. The layer's own ``qconfig.bits`` needs no
+    per-sample widths; another width reuses ``cache`` while the batch size, device and width
+    are unchanged (no allocation per step). Returns the cache to keep."""
+    if width == module.qconfig.bits:  # type: ignore[attr-defined]
+        object.__setattr__(module, "sample_bits", None)
+        stats.bits = None
+        return cache
+    if (cache is None or cache.bits.shape[0] != samples or cache.bits.device != device
+            or cache.max_sum != samples * width):
+        cache = SampleBits(torch.full((samples,), width, dtype=torch.uint8, device=device),
+                           samples * width)
+    object.__setattr__(module, "sample_bits", cache)
+    stats.bits = cache.bits
+    return cache
 
 
 def range_statistic(t: Tensor, group_size: int) -> Tensor:
