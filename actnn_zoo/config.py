@@ -21,6 +21,18 @@ from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
 __all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config"]
 
 
+# Backward of conv/linear/batch-norm layers decodes a large saved input in this many pieces of
+# samples (functional/_saving.sample_chunks): a lower step peak for a few more kernel calls.
+DEFAULT_BACKWARD_CHUNKS = 4
+
+
+def _check_chunks(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"backward_chunks must be an integer >= 1 (1: decode whole), "
+                         f"got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class LayerQConfig:
     """What one Q-module does with the tensors it saves for backward.
@@ -33,10 +45,12 @@ class LayerQConfig:
     group_size: int = 256
     rounding: str = "stochastic"
     enabled: bool = True
+    backward_chunks: int = DEFAULT_BACKWARD_CHUNKS
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "bits")
         check_group_size(self.group_size, "group_size")
+        _check_chunks(self.backward_chunks)
         if self.rounding not in ROUNDING:
             raise ValueError(f"rounding must be one of {ROUNDING}, got {self.rounding!r}")
         if not isinstance(self.enabled, bool):
@@ -65,11 +79,12 @@ DEFAULT_ERROR_FRACTION = 0.1
 ERROR_FRACTION_MAX = 1e6
 
 TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "capture",
-            "capture_bits", "error_fraction", "rules")
+            "capture_bits", "error_fraction", "backward_chunks", "rules")
 # keys to_dict writes only when they differ from their default (a strategy-specific setting
 # does not clutter every other config's dict / YAML)
 _OPTIONAL_KEYS = MappingProxyType({"error_fraction": DEFAULT_ERROR_FRACTION,
-                                   "capture_bits": None})
+                                   "capture_bits": None,
+                                   "backward_chunks": DEFAULT_BACKWARD_CHUNKS})
 MATCHER_KEYS = ("type", "name", "pattern")
 ACTION_KEYS = ("bits", "group_size", "rounding", "skip")
 RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
@@ -362,6 +377,9 @@ class QuantConfig:
     other saved tensor (:mod:`actnn_zoo.capture`); ``capture_bits`` (default: the width of
     ``bits``) is the width tiers 2-3 use, so that a model can keep its Q-layers at 2 bits and
     compress what the capture tiers see (attention operands, products) with more.
+    ``backward_chunks`` (default 4): conv, linear and batch-norm backward decode a saved input
+    of at least 1 MiB this many samples-chunks at a time, so the step's peak holds a chunk of it
+    rather than all of it (1 decodes it whole: fewer kernel calls, a higher peak).
     """
 
     bits: Union[int, float] = 2
@@ -373,6 +391,7 @@ class QuantConfig:
     capture: bool = True
     capture_bits: Optional[int] = None
     error_fraction: float = DEFAULT_ERROR_FRACTION
+    backward_chunks: int = DEFAULT_BACKWARD_CHUNKS
     rules: Tuple[Rule, ...] = ()
     source: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -477,7 +496,8 @@ class QuantConfig:
                     skip, skip_by = rule.skip, index
         if skip:
             return None, f"skipped by rule {skip_by} ({self.rules[skip_by].describe()})"
-        return LayerQConfig(bits=bits, group_size=group, rounding=rounding), None
+        return LayerQConfig(bits=bits, group_size=group, rounding=rounding,
+                            backward_chunks=self.backward_chunks), None
 
     def pinned_bits(self, module_name: str, module: object) -> Optional[int]:
         """The width a rule fixes for this module (the strongest matching rule with ``bits``),
@@ -516,6 +536,7 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
         "capture_bits": _check_capture_bits,
         "update_interval": _check_interval,
         "error_fraction": _check_error_fraction,
+        "backward_chunks": _check_chunks,
     }
     for key, check in checks.items():
         if key in out:

@@ -148,8 +148,8 @@ def attach_capture(root: nn.Module, cfg: QuantConfig) -> None:
     if not cfg.capture or not cfg.enabled:
         return
     bits = cfg.layer_bits() if cfg.capture_bits is None else cfg.capture_bits
-    qconfig = LayerQConfig(bits=bits, group_size=cfg.group_size,
-                           rounding=cfg.rounding)
+    qconfig = LayerQConfig(bits=bits, group_size=cfg.group_size, rounding=cfg.rounding,
+                           backward_chunks=cfg.backward_chunks)
     capture = Capture(qconfig)
     capture.attach(root)
     setattr(root, CAPTURE_ATTR, capture)

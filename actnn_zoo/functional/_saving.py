@@ -1,14 +1,14 @@
 """Saving compressed tensors through ctx.save_for_backward and getting them back."""
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ..capture.session import active_session
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, dequantize, quantize
+from ..quant import Bits, QuantizedTensor, dequantize, dequantize_rows, quantize
 
 Saved = Union[Tensor, QuantizedTensor, None]
 
@@ -84,3 +84,28 @@ def restore(item: Saved) -> Optional[Tensor]:
     if isinstance(item, QuantizedTensor):
         return dequantize(item)
     return item
+
+
+# Below this many decoded bytes a saved input is decoded whole: splitting it only adds calls.
+CHUNK_MIN_BYTES = 1 << 20
+
+
+def sample_chunks(item: Saved, chunks: int) -> List[Tuple[int, int]]:
+    """Sample ranges in which a backward decodes ``item`` (a saved input), or [] to decode it
+    whole: whole when ``chunks`` <= 1, when it is not a QuantizedTensor of at least 2 samples
+    and ``CHUNK_MIN_BYTES`` decoded, and when backward is itself differentiated
+    (``create_graph=True``, the graph would keep every chunk alive anyway).
+
+    Why: the backward of a layer that reads its input only through a sum over samples (conv and
+    linear weight gradients) then holds ``1/chunks`` of the decoded input at a time instead of a
+    whole map, which is what set the step's peak (docs/design.md, "The step's peak").
+    """
+    if chunks <= 1 or not isinstance(item, QuantizedTensor) or len(item.shape) < 2 \
+            or torch.is_grad_enabled():
+        return []
+    n = item.shape[0]
+    if n < 2 or item.numel() * item.dtype.itemsize < CHUNK_MIN_BYTES:
+        return []
+    k = min(chunks, n)
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))

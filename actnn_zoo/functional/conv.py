@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
-from ._saving import compress, load, restore, save
+from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 from .linear import cast, dtype_of, guard_second_order, memory_format_of
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -134,6 +134,7 @@ class ConvFunction(torch.autograd.Function):
         ctx.x_format = memory_format_of(x)
         ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
         ctx.compute_dtype = out.dtype
+        ctx.chunks = qconfig.backward_chunks
         save(ctx, compress(x, qconfig, bits) if need_w else None, weight)
         return out
 
@@ -153,25 +154,47 @@ class ConvFunction(torch.autograd.Function):
         padded_shape = xp_shape[:2] + tuple(s + e for s, e in zip(xp_shape[2:], extra))
         gi = gw = gb = None
         with torch.autocast(grad_out.device.type, enabled=False):
-            go = grad_out.to(dt)
-            if need_w:
-                x = spec.pad(restore(x_q).to(dt).contiguous(memory_format=ctx.x_format))
-                if any(extra):
-                    x = F.pad(x, pad_nd)
-            else:
-                # Only the input gradient is wanted: the op reads the input's shape, not values.
-                x = go.new_empty(()).expand(padded_shape)
-            if need_x or need_w:
+            go, w = grad_out.to(dt), weight.to(dt)
+            layer = f"QConv{'Transpose' if spec.transposed else ''}{spec.dims}d"
+
+            def conv_backward(go_: Tensor, x: Tensor, mask: List[bool]) -> Tuple[Tensor, ...]:
+                return torch.ops.aten.convolution_backward(
+                    go_, x, w, [go.shape[1]] if mask[2] else None, list(spec.stride), pad,
+                    list(spec.dilation), spec.transposed, spec.output_padding_list(),
+                    spec.groups, mask)
+
+            def decoded(rows: Optional[Tuple[int, int]] = None) -> Tensor:
+                x = restore(x_q) if rows is None else dequantize_rows(x_q, *rows)
+                x = spec.pad(x.to(dt).contiguous(memory_format=ctx.x_format))
+                return F.pad(x, pad_nd) if any(extra) else x
+
+            # Only the input gradient is wanted: the op reads the input's shape, not values.
+            shape_only = go.new_empty(()).expand(padded_shape)
+            chunks = sample_chunks(x_q, ctx.chunks) if need_w else []
+            if chunks:
+                # The weight and bias gradients are sums over samples, accumulated chunk by chunk
+                # so that only one chunk of x is decoded at a time; each chunk's input gradient
+                # is written into its rows of one output (one call computes all three).
+                if need_x:
+                    gi = torch.empty(padded_shape, dtype=dt, device=go.device,
+                                     memory_format=ctx.x_format)
+                for start, stop in chunks:
+                    gi_c, gw_c, gb_c = conv_backward(go[start:stop], decoded((start, stop)),
+                                                     [need_x, True, need_b])
+                    if need_x:
+                        gi[start:stop].copy_(gi_c)
+                    del gi_c
+                    gw = gw_c if gw is None else gw.add_(gw_c)
+                    if need_b:
+                        gb = gb_c if gb is None else gb.add_(gb_c)
+            elif need_x or need_w:
                 # Bias grad comes with the weight grad (oneDNN computes them together); alone,
                 # it is just a sum, done below.
                 mask = [need_x, need_w, need_b and need_w]
-                gi, gw, gb = torch.ops.aten.convolution_backward(
-                    go, x, weight.to(dt), [go.shape[1]] if mask[2] else None,
-                    list(spec.stride), pad, list(spec.dilation), spec.transposed,
-                    spec.output_padding_list(), spec.groups, mask)
+                gi, gw, gb = conv_backward(go, decoded() if need_w else shape_only, mask)
                 gi = gi if need_x else None
                 gw = gw if need_w else None
-                layer = f"QConv{'Transpose' if spec.transposed else ''}{spec.dims}d"
+            if need_w:
                 gw = guard_second_order(gw, weight, f"{layer} weight gradient", need_x)
             if need_b and not need_w:
                 gb = go.sum([0] + list(range(2, go.dim())))

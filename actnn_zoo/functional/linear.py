@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
-from ._saving import compress, load, restore, save
+from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 
 # float64 is compressed through a float32 copy (``_saving.compress``); see check_compressible.
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -134,6 +134,7 @@ class LinearFunction(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
         ctx.compute_dtype = out.dtype
+        ctx.chunks = qconfig.backward_chunks
         save(ctx, compress(x, qconfig, bits) if need_w else None, weight)
         return out
 
@@ -152,8 +153,17 @@ class LinearFunction(torch.autograd.Function):
             if need_x:
                 gi = go.matmul(weight.to(dt))
             if need_w:
-                x2 = restore(x_q).to(dt)
-                gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
+                chunks = sample_chunks(x_q, ctx.chunks)
+                if chunks:  # sum over samples, one decoded chunk at a time (_saving)
+                    for start, stop in chunks:
+                        x2 = dequantize_rows(x_q, start, stop).to(dt)
+                        gw_c = go[start:stop].reshape(-1, go.shape[-1]).t().matmul(
+                            x2.reshape(-1, x2.shape[-1]))
+                        gw = gw_c if gw is None else gw.add_(gw_c)
+                        del x2
+                else:
+                    x2 = restore(x_q).to(dt)
+                    gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
                 gw = guard_second_order(gw, weight, "QLinear weight gradient", need_x)
             if need_b:
                 gb = go2.sum(0)

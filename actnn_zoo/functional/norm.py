@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import Bits
-from ._saving import compress, load, restore, save
+from ..quant import Bits, QuantizedTensor
+from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 from .linear import cast, dtype_of, first_order_only, memory_format_of
 
 
@@ -111,6 +111,7 @@ class BatchNormFunction(torch.autograd.Function):
                                                              True, momentum, eps)
         ctx.eps = eps
         ctx.x_format = memory_format_of(x)
+        ctx.chunks = qconfig.backward_chunks
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
         ctx.compute_dtype = dt
         x_q = None
@@ -130,7 +131,11 @@ class BatchNormFunction(torch.autograd.Function):
         gi = gw = gb = None
         with torch.autocast(grad_out.device.type, enabled=False):
             go = grad_out.to(dt)
-            if x_q is not None:
+            chunks = sample_chunks(x_q, ctx.chunks)
+            if chunks:
+                gi, gw, gb = _bn_backward_by_chunks(go, x_q, invstd, weight, chunks, ctx.x_format,
+                                                    need_x)
+            elif x_q is not None:
                 x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
                 x = _denormalize(x_hat, _per_channel(mean, x_hat), _per_channel(invstd, x_hat),
                                  dt)
@@ -142,6 +147,42 @@ class BatchNormFunction(torch.autograd.Function):
                 gb = go.sum(_channel_dims(go))
         return (cast(gi, x_dtype) if need_x else None, cast(gw, w_dtype) if need_w else None,
                 cast(gb, b_dtype) if need_b else None) + (None,) * 6
+
+
+def _bn_backward_by_chunks(go: Tensor, x_q: QuantizedTensor, invstd: Tensor,
+                           weight: Optional[Tensor], chunks: List[Tuple[int, int]],
+                           x_format: torch.memory_format, need_x: bool
+                           ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """Training-mode batch-norm backward from the saved x_hat, decoded a chunk of samples at a
+    time (twice: once for the reductions, once for the input gradient), so the backward holds
+    grad_out, grad_in and two chunks instead of grad_out, grad_in, x and aten's temporaries.
+
+    Per channel, with m values: gb = sum(g), gw = sum(g * x_hat),
+    gi = weight * invstd * (g - gb / m - x_hat * gw / m): what ``native_batch_norm_backward``
+    computes, written in x_hat (which is what was saved) instead of x.
+    """
+    work = torch.float64 if go.dtype == torch.float64 else torch.float32
+    dims = _channel_dims(go)
+    gb = go.sum(dims, dtype=work)
+    gw = torch.zeros_like(gb)
+    for start, stop in chunks:
+        xh = dequantize_rows(x_q, start, stop).to(work).contiguous(memory_format=x_format)
+        gw += xh.mul_(go[start:stop]).sum(dims)
+        del xh
+    gi = None
+    if need_x:
+        m = go.numel() // go.shape[1]
+        scale = invstd.to(work) if weight is None else invstd.to(work) * weight.to(work)
+        mean_g, mean_gx = _per_channel(gb / m, go), _per_channel(gw / m, go)
+        scale = _per_channel(scale, go)
+        gi = torch.empty_like(go, memory_format=x_format)
+        for start, stop in chunks:
+            xh = dequantize_rows(x_q, start, stop).to(work).contiguous(memory_format=x_format)
+            # (g - mean_g - x_hat * mean_gx) * scale, in place in the decoded chunk
+            xh.mul_(mean_gx).neg_().add_(go[start:stop]).sub_(mean_g).mul_(scale)
+            gi[start:stop].copy_(xh)
+            del xh
+    return gi, gw, gb
 
 
 def _gather_moments(x: Tensor, process_group, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:

@@ -1,8 +1,9 @@
 """Per-group stochastic quantization of activation tensors, and 1-bit mask packing."""
 from .api import (SUPPORTED_BITS, Bits, SampleBits, check_bits, check_group_size, dequantize,
+                  dequantize_rows,
                   pack_mask, quantize, unpack_mask)
 from .backend import backend_name
 from .tensor import QuantizedTensor
 
-__all__ = ["QuantizedTensor", "SampleBits", "Bits", "quantize", "dequantize", "pack_mask",
+__all__ = ["QuantizedTensor", "SampleBits", "Bits", "quantize", "dequantize", "dequantize_rows", "pack_mask",
            "unpack_mask", "backend_name", "SUPPORTED_BITS", "check_bits", "check_group_size"]

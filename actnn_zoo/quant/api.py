@@ -235,16 +235,56 @@ def dequantize(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
     if out.numel() == 0:
         return out
     rows = as_rows(out)
-    n, d = rows.shape
-    if q.mixed:
-        row_bits, offsets = q.row_bits, q.offsets
-        if debug_checks(validate):
-            _check_layout(row_bits, offsets, d, q.data.numel(), "QuantizedTensor.row_bits")
-    else:
-        row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
-        offsets = _uniform_offsets(n, d, q.bits, q.device)
-    kernels(q.device).dequantize(q.data, q.lo, q.step, row_bits, offsets, q.group_size, rows)
+    _dequantize_rows_into(q, 0, rows.shape[0], rows, validate)
     return out
+
+
+def dequantize_rows(q: QuantizedTensor, start: int, stop: int, out: Optional[Tensor] = None,
+                    validate: Optional[bool] = None) -> Tensor:
+    """Samples ``start:stop`` (dim 0) of ``q``, decoded: shape ``(stop - start, *q.shape[1:])``.
+
+    Why: a backward that needs the input only for a sum over samples (a weight gradient, a
+    norm's statistics) can decode a few samples at a time into one reused buffer (``out``, any
+    contiguous tensor of that shape and ``q.dtype``, e.g. a view of a larger buffer) instead of
+    materialising the whole tensor; the step's peak then holds a chunk, not a full map.
+    Equal, value for value, to ``dequantize(q)[start:stop]``.
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"dequantize_rows expects a QuantizedTensor, got {type(q).__name__}")
+    if len(q.shape) < 2:
+        raise ValueError(f"dequantize_rows needs a tensor with a sample dimension, got shape "
+                         f"{tuple(q.shape)}")
+    n = q.shape[0]
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= n):
+        raise ValueError(f"rows {start}:{stop} are not a range of the {n} samples")
+    shape = (stop - start,) + tuple(q.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != shape or out.dtype != q.dtype or not out.is_contiguous() \
+            or out.device != q.device:
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {shape} on "
+                         f"{q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if out.numel():
+        _dequantize_rows_into(q, start, stop, as_rows(out), validate)
+    return out
+
+
+def _dequantize_rows_into(q: QuantizedTensor, start: int, stop: int, rows: Tensor,
+                          validate: Optional[bool]) -> None:
+    """The kernel call: rows ``start:stop`` of ``q`` into the (stop - start, D) ``rows``. The
+    codes are addressed through absolute row offsets, so the whole ``data`` buffer is passed."""
+    d = rows.shape[1]
+    if q.mixed:
+        row_bits, offsets = q.row_bits[start:stop], q.offsets[start:stop + 1]
+        if debug_checks(validate):
+            _check_layout(q.row_bits, q.offsets, d, q.data.numel(), "QuantizedTensor.row_bits")
+    else:
+        row_bits = torch.full((stop - start,), q.bits, dtype=torch.uint8, device=q.device)
+        offsets = _uniform_offsets(stop - start, d, q.bits, q.device)
+        if start:
+            offsets = offsets + start * ((d * q.bits + 7) // 8)
+    kernels(q.device).dequantize(q.data, q.lo[start:stop], q.step[start:stop], row_bits, offsets,
+                                 q.group_size, rows)
 
 
 def pack_mask(mask: Tensor) -> Tensor:
