@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--quick", action="store_true",
                       help="the quick preset (the default; kept for old command lines)")
     p.add_argument("--seeds", type=int, default=1, help="average the metric over seeds 0..n-1")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="start the seeds here (e.g. --first-seed 1 --seeds 2: seeds 1 and 2, "
+                        "to add seeds to an earlier run)")
     p.add_argument("--bits", type=int, choices=(1, 2, 4, 8), default=None,
                    help="override the config's bit width (default: the config's, 2 bits)")
     p.add_argument("--config", default=None, help="YAML config for convert_model")
@@ -386,7 +389,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {MODES}")
-    seeds = list(range(max(1, args.seeds)))
+    seeds = list(range(args.first_seed, args.first_seed + max(1, args.seeds)))
     if args.timing_steps is None:
         args.timing_steps = 15 if quick else 30
     t0 = time.perf_counter()

@@ -110,6 +110,9 @@ CASES = {
     "batchnorm2d": (lambda: nn.BatchNorm2d(6), (7, 6, 5, 5)),
     "batchnorm1d": (lambda: nn.BatchNorm1d(6), (9, 6, 10)),
     "batchnorm2d_no_affine": (lambda: nn.BatchNorm2d(6, affine=False), (5, 6, 4, 4)),
+    "gelu": (lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU()), (7, 5, 8)),
+    "silu_4d": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.SiLU()), (6, 3, 5, 5)),
+    "tanh": (lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh()), (9, 8)),
 }
 
 
@@ -134,7 +137,7 @@ def test_chunked_backward_equals_whole_backward(name, channels_last, chunk_every
         _close_up_to_summation_order(b, a)
 
 
-@pytest.mark.parametrize("name", ["conv2d", "linear_2d", "batchnorm2d"])
+@pytest.mark.parametrize("name", ["conv2d", "linear_2d", "batchnorm2d", "gelu"])
 def test_chunked_backward_in_float64(name, chunk_everything):
     build, shape = CASES[name]
     torch.manual_seed(0)
@@ -190,7 +193,7 @@ def test_chunked_backward_with_per_sample_widths(chunk_everything):
         _close_up_to_summation_order(b, a)
 
 
-@pytest.mark.parametrize("name", ["conv2d", "linear_3d", "batchnorm2d"])
+@pytest.mark.parametrize("name", ["conv2d", "linear_3d", "batchnorm2d", "gelu", "silu_4d"])
 def test_chunked_backward_decodes_one_chunk_at_a_time(name, chunk_everything, monkeypatch):
     """What lowers the peak: no decode of the whole saved input when chunks > 1."""
     calls = []
@@ -204,10 +207,11 @@ def test_chunked_backward_decodes_one_chunk_at_a_time(name, chunk_everything, mo
         calls.append(("whole", q.shape[0], q.shape[0]))
         return real_whole(q, *a, **k)
 
+    import actnn_zoo.functional.activation as act_f
     import actnn_zoo.functional.conv as conv_f
     import actnn_zoo.functional.linear as linear_f
     import actnn_zoo.functional.norm as norm_f
-    for mod in (conv_f, linear_f, norm_f):
+    for mod in (act_f, conv_f, linear_f, norm_f):
         monkeypatch.setattr(mod, "dequantize_rows", rows)
     monkeypatch.setattr(_saving, "dequantize", whole)
     build, shape = CASES[name]

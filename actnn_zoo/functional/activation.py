@@ -23,7 +23,7 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..quant import Bits, pack_mask, unpack_mask
 from ..quant.api import masked_grad
-from ._saving import compress, load, restore, save
+from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 
 OptBits = Optional[Bits]
 
@@ -287,6 +287,7 @@ class DerivativeActivationFunction(torch.autograd.Function):
         ctx.perm = perm
         ctx.in_dtype = x.dtype
         ctx.op = op
+        ctx.chunks = qconfig.backward_chunks
         save(ctx, q)
         return out
 
@@ -294,6 +295,14 @@ class DerivativeActivationFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         no_double_backward(ctx.op)
         (q,) = load(ctx)
+        chunks = sample_chunks(q, ctx.chunks)
+        if chunks:  # one decoded chunk of f'(x) at a time, each product into its rows
+            grad_in = torch.empty_like(grad, dtype=ctx.in_dtype)
+            for start, stop in chunks:
+                deriv = from_memory_order(dequantize_rows(q, start, stop), ctx.perm)
+                torch.mul(grad[start:stop], deriv, out=grad_in[start:stop])
+                del deriv
+            return grad_in, None, None, None, None, None
         deriv = from_memory_order(restore(q), ctx.perm)
         if ctx.in_dtype == torch.float64:
             deriv = deriv.double()

@@ -5,7 +5,10 @@ on the real input, so the output (autocast included) is exactly torch's; only th
 backward is compressed. Backward dequantizes it and calls the public
 ``aten::convolution_backward`` (one code path for CPU and CUDA, every stride/padding/dilation/
 groups/output_padding combination). The weight gradient is linear in the saved input, hence
-unbiased under stochastic rounding; the input gradient does not read it and is exact.
+unbiased under stochastic rounding; the input gradient does not read it and is exact. A large
+saved input is decoded a chunk of samples at a time (``backward_chunks``), each chunk's call
+giving its rows of the input gradient and a part of the weight gradient, so the step's peak
+holds one chunk of x instead of all of it.
 
 Double backward (``create_graph=True``): backward is made of differentiable ops
 (``convolution_backward`` has a derivative formula in torch), so the input and bias gradients

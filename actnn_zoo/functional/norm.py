@@ -5,7 +5,9 @@ Forward runs the public ``aten::native_*_norm`` op on the real input: the same k
 functional op ends in, so the output is torch's, and it also returns the statistics (mean and
 invstd / rstd) that backward needs. Saved: compress(x_hat) with x_hat = (x - mean) * invstd,
 the statistics (one pair per channel, row or group, exact), the weight (a Parameter). Backward
-rebuilds x = x_hat / invstd + mean and calls the public ``aten::native_*_norm_backward``.
+rebuilds x = x_hat / invstd + mean and calls the public ``aten::native_*_norm_backward``;
+batch norm with a saved input of 1 MiB or more instead evaluates the same formula in x_hat a
+chunk of samples at a time (``_bn_backward_by_chunks``), holding no full-size decoded copy.
 
 Why the normalized input: a quantization group holds 256 consecutive values, which mixes
 channels whenever a feature map has fewer positions than that (late CNN stages, batch 8:

@@ -3,7 +3,8 @@
 Saves: compress(x) (2 bits per value by default, only when the weight needs a gradient) + the
 weight Parameter (free). Forward computes the real torch op on the uncompressed input, so the
 output is torch's. Backward: dequantize x, then the public ``aten::convolution_backward``
-(grad_x exact, grad_W unbiased, grad_b = sum of grad_y). padding_mode != 'zeros' applies the
+(grad_x exact, grad_W unbiased, grad_b = sum of grad_y); an input of 1 MiB or more is decoded
+``backward_chunks`` samples-chunks at a time, the weight gradient summed over chunks. padding_mode != 'zeros' applies the
 same F.pad as torch inside the Function: the unpadded input is compressed and re-padded in
 backward (a pad outside would save the full input). Unbatched inputs get a batch dim of one.
 Eval / no_grad / qconfig.enabled=False: plain torch forward.

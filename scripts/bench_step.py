@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""The training step's peak memory and time: fp32, checkpointing, and the 2-bit default with
+the backward decoding saved inputs whole (``backward_chunks: 1``, the earlier behaviour) and
+in chunks of samples (the default), ratios from one run.
+
+Peaks: each mode in a fresh child process (``actnn_zoo.memory.spec_peak_memory``: VmHWM over
+the warmed-up resident set, every large tensor its own mapping). Times: all modes in this
+process, round-robin (``interleaved_step_times``), median per step. E.g.
+    .venv/bin/python scripts/bench_step.py --json results/bench_step.json
+    .venv/bin/python scripts/bench_step.py --cases resnet:256 --no-time
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+
+import torch  # noqa: E402
+
+from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times, spec_peak_memory  # noqa: E402
+
+CASES = {  # name -> (model, batch, model kwargs)
+    "resnet:256": ("resnet", 256, {}),
+    "resnet:128": ("resnet", 128, {}),
+    "resnet:512": ("resnet", 512, {}),
+    "resnet6+6:512": ("resnet", 512, {"blocks": [6, 6]}),
+    "transformer_encoder:32": ("transformer_encoder", 32, {}),
+    "gpt2:32": ("gpt2", 32, {}),
+}
+
+
+def modes(model: str, batch: int, kwargs: Dict[str, Any]) -> Dict[str, StepSpec]:
+    base = StepSpec(model, batch, model_kwargs=kwargs)
+    return {
+        "fp32": base,
+        "checkpoint": dataclasses.replace(base, mode="checkpoint"),
+        "2-bit, whole decode": dataclasses.replace(base, mode="bits", bits=None,
+                                                   config={"backward_chunks": 1}),
+        "2-bit (default)": dataclasses.replace(base, mode="bits", bits=None),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="resnet:256,resnet6+6:512,transformer_encoder:32,gpt2:32",
+                   help=f"comma list of {', '.join(CASES)}")
+    p.add_argument("--no-time", action="store_true", help="peaks only")
+    p.add_argument("--no-peak", action="store_true", help="times only")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per mode")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows: List[Dict[str, Any]] = []
+    for case in args.cases.split(","):
+        if case not in CASES:
+            p.error(f"unknown case {case!r}; known: {', '.join(CASES)}")
+        model, batch, kwargs = CASES[case]
+        specs = modes(model, batch, kwargs)
+        peaks = {} if args.no_peak else {m: spec_peak_memory(s) for m, s in specs.items()}
+        times = {}
+        if not args.no_time:
+            raw = interleaved_step_times({m: build_step(s) for m, s in specs.items()},
+                                         n=args.steps, warmup=3, rounds=3)
+            times = {m: statistics.median(t) for m, t in raw.items()}
+        print(f"\n{case} ({torch.get_num_threads()} threads)")
+        print(f"  {'mode':<22} {'peak MiB':>9} {'vs fp32':>8} {'step ms':>8} {'vs fp32':>8}")
+        for m in specs:
+            row: Dict[str, Any] = {"case": case, "mode": m}
+            peak = peaks.get(m)
+            if peak is not None and peak.ok:
+                row["peak_mib"] = peak.delta_mib
+                row["peak_lower_x"] = peaks["fp32"].delta_mib / peak.delta_mib
+            elif peak is not None:
+                row["peak_error"] = peak.error
+            if m in times:
+                row["step_ms"] = 1e3 * times[m]
+                row["time_vs_fp32"] = times[m] / times["fp32"]
+            rows.append(row)
+            fmt = lambda k, f: format(row[k], f) if k in row else "-"  # noqa: E731
+            print(f"  {m:<22} {fmt('peak_mib', '9.2f'):>9} {fmt('peak_lower_x', '7.2f'):>7}x "
+                  f"{fmt('step_ms', '8.1f'):>8} {fmt('time_vs_fp32', '7.2f'):>7}x"
+                  + (f"  ({row['peak_error']})" if "peak_error" in row else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
