@@ -21,9 +21,11 @@ from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
 __all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config"]
 
 
-# Backward of conv/linear/batch-norm layers decodes a large saved input in this many pieces of
-# samples (functional/_saving.sample_chunks): a lower step peak for a few more kernel calls.
-DEFAULT_BACKWARD_CHUNKS = 4
+# Backward of conv/linear/batch-norm/smooth-activation layers decodes a large saved input in
+# this many pieces of samples (functional/_saving.sample_chunks): a lower step peak (CNN 2.0x ->
+# 2.5x below fp32's) for more kernel calls (on 2 CPU threads the CNN step went 1.42x -> 2.25x
+# fp32's), so it is opt-in: 1 decodes whole.
+DEFAULT_BACKWARD_CHUNKS = 1
 
 
 def _check_chunks(value: object) -> int:
@@ -377,9 +379,9 @@ class QuantConfig:
     other saved tensor (:mod:`actnn_zoo.capture`); ``capture_bits`` (default: the width of
     ``bits``) is the width tiers 2-3 use, so that a model can keep its Q-layers at 2 bits and
     compress what the capture tiers see (attention operands, products) with more.
-    ``backward_chunks`` (default 4): conv, linear and batch-norm backward decode a saved input
-    of at least 1 MiB this many samples-chunks at a time, so the step's peak holds a chunk of it
-    rather than all of it (1 decodes it whole: fewer kernel calls, a higher peak).
+    ``backward_chunks`` (default 1, off): conv, linear, batch-norm and smooth-activation backward
+    decode a saved input of at least 1 MiB this many samples-chunks at a time, so the step's
+    peak holds a chunk of it rather than all of it, at the cost of more, smaller kernel calls.
     """
 
     bits: Union[int, float] = 2

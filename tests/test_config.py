@@ -51,7 +51,7 @@ def test_config_is_immutable_and_replace_validates():
 def test_layer_qconfig_keeps_its_behaviour():
     lc = LayerQConfig()
     assert lc.to_dict() == {"bits": 2, "group_size": 256, "rounding": "stochastic",
-                            "enabled": True, "backward_chunks": 4}
+                            "enabled": True, "backward_chunks": 1}
     assert lc.replace(bits=8).bits == 8
     with pytest.raises(ValueError):
         LayerQConfig(bits=3)
