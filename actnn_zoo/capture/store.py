@@ -148,15 +148,19 @@ class CompressedStore:
     ``qconfig``: the settings tier 3 compresses with. ``skip``: storage addresses never to
     compress (the model's parameters and buffers). ``min_numel``: smaller tensors are kept as
     they are (the bytes are negligible and per-row statistics such as a norm's rstd must stay
-    exact).
+    exact). ``refresh``: when given, called for a fresh ``skip`` before a tensor is treated as
+    an activation (parameters that appear only during the forward: FSDP2 all-gathers each
+    layer's weights just before it runs).
     """
 
     def __init__(self, qconfig: LayerQConfig, skip: Set[int], min_numel: int,
-                 stats: Optional[CaptureStats] = None) -> None:
+                 stats: Optional[CaptureStats] = None,
+                 refresh: Optional[Callable[[], Set[int]]] = None) -> None:
         self.qconfig = qconfig
         self.min_numel = min_numel
         self.stats = stats if stats is not None else CaptureStats()
         self._skip = skip
+        self._refresh = refresh
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", QuantizedTensor]] = {}
 
@@ -225,6 +229,8 @@ class CompressedStore:
             stats._pass("small", t)
             return t
         ptr = _storage_ptr(t)
+        if ptr not in self._skip and self._refresh is not None:
+            self._skip = self._refresh()
         if ptr in self._skip:
             stats._pass("parameter or buffer", t)
             return t
