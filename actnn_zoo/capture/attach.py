@@ -39,12 +39,10 @@ def parameter_storages(root: nn.Module) -> Tuple[Set[int], bool]:
     ptrs: Set[int] = set()
     wrapped = False
     for t in itertools.chain(root.parameters(), root.buffers()):
-        if t.layout != torch.strided:
-            continue
-        try:
+        if type(t) not in (torch.Tensor, nn.Parameter):  # nn.Parameter(DTensor) is a DTensor
+            wrapped = True  # its untyped_storage() raises "invalid python storage"
+        elif t.layout == torch.strided:
             ptrs.add(t.untyped_storage().data_ptr())
-        except RuntimeError:  # "invalid python storage": a wrapper subclass (DTensor)
-            wrapped = True
     return ptrs, wrapped
 
 
