@@ -16,6 +16,15 @@ cpu_sources = ["cpp_ext/quant_cpu.cpp", "cpp_ext/widths_cpu.cpp",
                "cpp_ext/bindings.cpp"]
 cuda_sources = ["cpp_ext/quant_cuda.cu"]
 
+# torch.get_autocast_dtype(device_type) needs 2.4. The compiled extension runs only with the
+# torch minor version it was built against, so that is what the package requires.
+MIN_TORCH = (2, 4)
+TORCH_MINOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+if TORCH_MINOR < MIN_TORCH:
+    raise RuntimeError(f"actnn_zoo needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}; this build "
+                       f"found torch {torch.__version__}")
+TORCH_REQUIREMENT = f"torch=={TORCH_MINOR[0]}.{TORCH_MINOR[1]}.*"
+
 with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
              and all(os.path.exists(s) for s in cuda_sources)
              and os.environ.get("ACTNN_ZOO_NO_CUDA", "0") != "1")
@@ -35,7 +44,7 @@ setup(
     description="Activation-compressed training for PyTorch: quantized drop-in layers",
     packages=find_packages(include=["actnn_zoo", "actnn_zoo.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "pyyaml"],  # torch.get_autocast_dtype(device_type) needs 2.4
+    install_requires=[TORCH_REQUIREMENT, "pyyaml"],
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

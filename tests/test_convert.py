@@ -8,6 +8,7 @@ from typing import Dict, Type
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import actnn_zoo.nn as qnn
@@ -448,12 +449,6 @@ def test_uniform_configs_convert(name, bits):
 
 
 # ----------------------------------------------------------------------------- the real zoo
-def real(*names):
-    missing = [n for n in names if not isinstance(getattr(qnn, n, None), type)]
-    return pytest.mark.skipif(bool(missing), reason=f"actnn_zoo.nn does not export "
-                                                    f"{', '.join(missing)} yet")
-
-
 def test_default_mapping_discovers_every_exported_q_class():
     mapping = default_mapping()
     for obj in vars(qnn).values():
@@ -475,7 +470,6 @@ class SmallCNN(nn.Module):
         return self.fc(self.relu(self.bn1(self.conv1(x))).flatten(1))
 
 
-@real("QConv2d", "QBatchNorm2d", "QReLU", "QLinear")
 def test_real_layers_convert_train_and_restore():
     torch.manual_seed(0)
     model = SmallCNN()
@@ -483,35 +477,38 @@ def test_real_layers_convert_train_and_restore():
     params = list(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = {k: v.data_ptr() for k, v in model.state_dict().items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # reference kernels until C++ is built
-        model = convert_model(model, bits=8)
-        assert [type(m) for m in (model.conv1, model.bn1, model.relu, model.fc)] == [
-            qnn.QConv2d, qnn.QBatchNorm2d, qnn.QReLU, qnn.QLinear]
-        assert isinstance(model.conv1, nn.Conv2d) and isinstance(model.bn1, nn.BatchNorm2d)
-        assert all(a is b for a, b in zip(model.parameters(), params))
-        assert {k: v.data_ptr() for k, v in model.state_dict().items()} == state
-        x = torch.randn(4, 3, 4, 4)
-        model.eval(), ref.eval()
-        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)  # eval: plain torch
-        model.train(), ref.train()
-        w0 = model.conv1.weight.detach().clone()
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        ref(x).square().mean().backward()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert p.grad is not None
-            torch.testing.assert_close(p.grad, q.grad, rtol=0.1, atol=0.05)  # 8-bit saved input
-        opt.step()
-        assert not torch.equal(model.conv1.weight, w0)
-        assert model.bn1.num_batches_tracked.item() == 1
-        restored = restore_model(model)
+    model = convert_model(model, bits=8, strategy="uniform")
+    assert [type(m) for m in (model.conv1, model.bn1, model.relu, model.fc)] == [
+        qnn.QConv2d, qnn.QBatchNorm2d, qnn.QReLU, qnn.QLinear]
+    assert isinstance(model.conv1, nn.Conv2d) and isinstance(model.bn1, nn.BatchNorm2d)
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == state
+    x = torch.randn(4, 3, 4, 4)
+    model.eval(), ref.eval()
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)  # eval: plain torch
+    model.train(), ref.train()
+    w0 = model.conv1.weight.detach().clone()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    # 8-bit saved tensors: cosine >= 0.9999 with fp32 autograd, as in the layer tests;
+    # conv1's bias feeds BatchNorm, so its exact gradient is zero up to rounding
+    scale = max(q.grad.norm() for q in ref.parameters())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None
+        if q.grad.norm() < 1e-5 * scale:
+            assert p.grad.norm() < 1e-3 * scale
+        else:
+            assert F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) >= 0.9999
+    opt.step()
+    assert not torch.equal(model.conv1.weight, w0)
+    assert model.bn1.num_batches_tracked.item() == 1
+    restored = restore_model(model)
     assert [type(m) for m in (restored.conv1, restored.bn1, restored.relu, restored.fc)] == [
         nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.Linear]
     assert {k: v.data_ptr() for k, v in restored.state_dict().items()} == state
 
 
-@real("QConv2d", "QBatchNorm2d", "QReLU", "QLinear")
 def test_real_layers_with_the_cnn_config():
     model = convert_model(TinyResNet(), CONFIGS / "cnn_first_last_8bit.yaml")
     assert type(model.conv1) is qnn.QConv2d and model.conv1.qconfig.bits == 8
@@ -538,7 +535,6 @@ def test_every_exported_q_layer_with_a_default_constructor_round_trips():
     assert [type(m) for m in restored] == [type(m) for m in layers]
 
 
-@real("QConv2d", "QLayerNorm", "QLinear", "QGELU", "QSoftmax")
 def test_real_layers_with_the_transformer_config():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

@@ -1,5 +1,6 @@
 """A converted model inside the tools people train with: torch.save / torch.load, pickling,
-restore_model after training, torch.compile and DistributedDataParallel (2 gloo processes).
+restore_model after training, torch.compile, DistributedDataParallel and FSDP2's fully_shard
+(2 gloo processes).
 
 Gradients are compared with the unconverted model's exact fp32 autograd at 8 bits
 (cosine >= 0.9999 per parameter: 8-bit stochastic rounding leaves ~0.4% relative noise).
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 
 import actnn_zoo as az
 from actnn_zoo.nn._base import QModule
@@ -124,55 +126,139 @@ def test_torch_compile_trains_with_correct_gradients():
         assert cos(b.grad, a.grad) >= 0.9999
 
 
-# ----------------------------------------------------------------------------- DDP
-def _ddp_worker(rank: int, world: int, init: str, out_dir: str) -> None:
-    torch.manual_seed(0)  # the same initial weights on both ranks
+# ------------------------------------------------------------------- DDP and FSDP
+# One spawn of 2 gloo processes runs both wrappers (a spawn costs seconds); each test reads
+# its part of the results.
+def _sharded(model: nn.Module) -> nn.Module:
+    """FSDP2 as its docs show it: every layer that holds parameters, then the root."""
+    for m in model.children():
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _ddp_part(rank: int, base: nn.Module) -> dict:
+    x, y = _batch(10 + rank, 8)  # each rank its own shard of the data
+    grads = {}
+    for name, model in (("plain", copy.deepcopy(base)),
+                        ("q8", az.convert_model(copy.deepcopy(base), bits=8,
+                                                strategy="uniform"))):
+        ddp = nn.parallel.DistributedDataParallel(model)
+        F.cross_entropy(ddp(x), y).backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+    q2 = nn.parallel.DistributedDataParallel(az.convert_model(copy.deepcopy(base)))
+    opt = torch.optim.SGD(q2.parameters(), lr=0.05)
+    losses = []
+    for s in range(3):
+        xs, ys = _batch(20 + 2 * s + rank, 8)
+        opt.zero_grad()
+        loss = F.cross_entropy(q2(xs), ys)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"grads": grads, "losses": losses,
+            "params": [p.detach().clone() for p in q2.parameters()]}
+
+
+class _RawLinear(nn.Module):
+    """No mapped class: its ``F.linear`` reaches tier 3, which must keep the weight exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64) / 8)  # 4096 values: not "small"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+def _fsdp_part(rank: int, base: nn.Module) -> dict:
+    x, y = _batch(40 + rank, 8)
+    grads = {}
+    for name, model in (("plain", copy.deepcopy(base)),
+                        ("q8", az.convert_model(copy.deepcopy(base), bits=8,
+                                                strategy="uniform"))):
+        _sharded(model)
+        F.cross_entropy(model(x), y).backward()
+        # full_tensor(): the all-gathered (reduce-scattered, then gathered) gradient
+        grads[name] = [p.grad.full_tensor().clone() for p in model.parameters()]
+    q2 = _sharded(az.convert_model(copy.deepcopy(base)))  # the 2-bit default, capture on
+    shards = [(p.to_local().numel(), p.numel()) for p in q2.parameters()]
+    opt = torch.optim.SGD(q2.parameters(), lr=0.05)
+    xs, ys = _batch(50 + rank, 8)  # one fixed batch per rank: the loss must go down
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = F.cross_entropy(q2(xs), ys)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    # tier 3 under fully_shard: the all-gathered weight exists only while its layer runs
+    raw = _sharded(az.convert_model(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), _RawLinear())))
+    raw(torch.randn(8, 32)).sum().backward()
+    kept = raw.actnn_zoo_capture.last_stats.passed.get("parameter or buffer", [0, 0])
+    return {"grads": grads, "losses": losses, "shards": shards, "raw_weight_kept": kept,
+            "strategy": type(az.precision_strategy(q2)).__name__}
+
+
+def _dist_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
+        torch.manual_seed(0)  # the same initial weights on both ranks
         base = small_cnn()
         for m in base.modules():
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
-        x, y = _batch(10 + rank, 8)  # each rank its own shard
-        grads = {}
-        for name, model in (("plain", copy.deepcopy(base)),
-                            ("q8", az.convert_model(copy.deepcopy(base), bits=8,
-                                                    strategy="uniform"))):
-            ddp = nn.parallel.DistributedDataParallel(model)
-            F.cross_entropy(ddp(x), y).backward()
-            grads[name] = [p.grad.clone() for p in model.parameters()]
-        q2 = nn.parallel.DistributedDataParallel(az.convert_model(copy.deepcopy(base)))
-        opt = torch.optim.SGD(q2.parameters(), lr=0.05)
-        losses = []
-        for s in range(3):
-            xs, ys = _batch(20 + 2 * s + rank, 8)
-            opt.zero_grad()
-            loss = F.cross_entropy(q2(xs), ys)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-        torch.save({"grads": grads, "losses": losses,
-                    "params": [p.detach().clone() for p in q2.parameters()]},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        out = {"ddp": _ddp_part(rank, base), "fsdp": _fsdp_part(rank, base)}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_distributed_data_parallel_on_two_gloo_processes():
+@pytest.fixture(scope="module")
+def two_ranks() -> list:
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "rendezvous")
-        mp.spawn(_ddp_worker, args=(2, init, d), nprocs=2, join=True)
-        r = [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(2)]
-    for rank in r:
-        # 8 bits: the all-reduced gradient equals the plain DDP run's to quantization noise
-        scale = max(g.norm() for g in rank["grads"]["plain"])
-        for a, b in zip(rank["grads"]["plain"], rank["grads"]["q8"]):
-            if a.norm() < 1e-5 * scale:  # the conv bias before BatchNorm: zero in theory
-                assert b.norm() < 1e-3 * scale
-            else:
-                assert cos(b, a) >= 0.9999
-        assert all(torch.isfinite(torch.tensor(rank["losses"])))
+        mp.spawn(_dist_worker, args=(2, init, d), nprocs=2, join=True)
+        return [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(2)]
+
+
+def _assert_8bit_grads_match(grads: dict) -> None:
+    """8 bits: the synchronised gradient equals the plain wrapper's to quantization noise."""
+    scale = max(g.norm() for g in grads["plain"])
+    for a, b in zip(grads["plain"], grads["q8"]):
+        if a.norm() < 1e-5 * scale:  # the conv bias before BatchNorm: zero in theory
+            assert b.norm() < 1e-3 * scale
+        else:
+            assert cos(b, a) >= 0.9999
+
+
+def test_distributed_data_parallel_on_two_gloo_processes(two_ranks):
+    for rank in two_ranks:
+        _assert_8bit_grads_match(rank["ddp"]["grads"])
+        assert all(torch.isfinite(torch.tensor(rank["ddp"]["losses"])))
     # 2-bit default: both ranks hold the same weights after three synchronised steps
-    for a, b in zip(r[0]["params"], r[1]["params"]):
+    for a, b in zip(two_ranks[0]["ddp"]["params"], two_ranks[1]["ddp"]["params"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fsdp2_fully_shard_on_two_gloo_processes(two_ranks):
+    """torch 2.13's fully_shard runs on CPU with gloo: parameters and gradients are DTensors
+    sharded along dim 0; the Q-layers see the all-gathered weight in forward and backward."""
+    for rank in two_ranks:
+        fsdp = rank["fsdp"]
+        _assert_8bit_grads_match(fsdp["grads"])
+        # really sharded: each rank holds half of the final Linear's weight, not all of it
+        local, full = fsdp["shards"][-2]
+        assert local == full // 2
+        losses = torch.tensor(fsdp["losses"])
+        assert torch.isfinite(losses).all()
+        assert losses[-1] < losses[0], losses  # six 2-bit steps on one batch: it learns
+        assert fsdp["strategy"] == "ActNNStrategy"  # auto precision stayed attached
+        # the unsharded weight that F.linear saved was recognised as a parameter (64 x 64
+        # fp32 = 16 KiB), not compressed as if it were an activation
+        assert fsdp["raw_weight_kept"] == [1, 64 * 64 * 4]
+    # the reduce-scatter makes both ranks' gradients (and so their updates) the same
+    for a, b in zip(two_ranks[0]["fsdp"]["grads"]["q8"], two_ranks[1]["fsdp"]["grads"]["q8"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -113,8 +112,6 @@ def test_compression_ratio_hand_built():
     assert compression_ratio(double, single, x) == pytest.approx(2.0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("actnn_zoo.convert") is None,
-                    reason="converter not available yet")
 def test_converted_cnn_compresses():
     from actnn_zoo.memory import apply_mode
     from actnn_zoo.models import build_model, example_batch

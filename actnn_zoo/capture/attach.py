@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+import itertools
+from typing import Any, Callable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -31,16 +32,31 @@ CAPTURE_ATTR = "actnn_zoo_capture"
 MIN_NUMEL = 4096
 
 
+def parameter_storages(root: nn.Module) -> Tuple[Set[int], bool]:
+    """The storage addresses of ``root``'s parameters and buffers (tier 3 never compresses
+    them), and whether some are wrapper tensor subclasses without storage of their own (the
+    DTensor shards of ``torch.distributed.fsdp.fully_shard``)."""
+    ptrs: Set[int] = set()
+    wrapped = False
+    for t in itertools.chain(root.parameters(), root.buffers()):
+        if type(t) not in (torch.Tensor, nn.Parameter):  # nn.Parameter(DTensor) is a DTensor
+            wrapped = True  # its untyped_storage() raises "invalid python storage"
+        elif t.layout == torch.strided:
+            ptrs.add(t.untyped_storage().data_ptr())
+    return ptrs, wrapped
+
+
 class CaptureSession:
     """Tier 2 and tier 3 for one forward: entered by :class:`Capture`'s pre-hook."""
 
     def __init__(self, root: nn.Module, qconfig: LayerQConfig, min_numel: int) -> None:
-        skip = {t.untyped_storage().data_ptr()
-                for t in list(root.parameters()) + list(root.buffers())
-                if t.layout == torch.strided}
+        skip, wrapped = parameter_storages(root)
         self.qconfig = qconfig
         self.stats = CaptureStats()
-        self.store = CompressedStore(qconfig, skip, min_numel, self.stats)
+        # FSDP2 (sharded DTensor parameters): the plain, unsharded parameters the layers use
+        # exist only while each layer runs, so the store re-reads them when a save misses
+        refresh = (lambda: parameter_storages(root)[0]) if wrapped else None
+        self.store = CompressedStore(qconfig, skip, min_numel, self.stats, refresh)
         self._mode = CaptureMode(self, HANDLERS)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack,
                                                                 self.store.unpack)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
+from .._torch_private import tensor_base, tensor_version
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, dequantize, pack_mask, quantize, unpack_mask
 from .session import current_observer
@@ -148,15 +149,19 @@ class CompressedStore:
     ``qconfig``: the settings tier 3 compresses with. ``skip``: storage addresses never to
     compress (the model's parameters and buffers). ``min_numel``: smaller tensors are kept as
     they are (the bytes are negligible and per-row statistics such as a norm's rstd must stay
-    exact).
+    exact). ``refresh``: when given, called for a fresh ``skip`` before a tensor is treated as
+    an activation (parameters that appear only during the forward: FSDP2 all-gathers each
+    layer's weights just before it runs).
     """
 
     def __init__(self, qconfig: LayerQConfig, skip: Set[int], min_numel: int,
-                 stats: Optional[CaptureStats] = None) -> None:
+                 stats: Optional[CaptureStats] = None,
+                 refresh: Optional[Callable[[], Set[int]]] = None) -> None:
         self.qconfig = qconfig
         self.min_numel = min_numel
         self.stats = stats if stats is not None else CaptureStats()
         self._skip = skip
+        self._refresh = refresh
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", QuantizedTensor]] = {}
 
@@ -172,14 +177,14 @@ class CompressedStore:
         if not isinstance(bits, int) or x.layout != torch.strided:
             return quantize_fn(x, bits, group_size, rounding=rounding)  # per-sample: not shared
         key = (_storage_ptr(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
-               x._version, bits, group_size, rounding)
+               tensor_version(x), bits, group_size, rounding)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None:
             self.stats.shared += 1
             return hit[1]
         q = quantize_fn(x, bits, group_size, rounding=rounding)
         if owner is None:
-            owner = x._base if x._base is not None else x
+            owner = tensor_base(x) if tensor_base(x) is not None else x
         self._cache[key] = (weakref.ref(owner), q)
         return q
 
@@ -225,6 +230,8 @@ class CompressedStore:
             stats._pass("small", t)
             return t
         ptr = _storage_ptr(t)
+        if ptr not in self._skip and self._refresh is not None:
+            self._skip = self._refresh()
         if ptr in self._skip:
             stats._pass("parameter or buffer", t)
             return t
@@ -245,7 +252,7 @@ class CompressedStore:
             return _Mask(pack_mask(x), x.shape, perm)
         before = stats.shared
         q = self.compress(x, self.qconfig.bits, self.qconfig.group_size, self.qconfig.rounding,
-                          owner=t._base if t._base is not None else t)
+                          owner=tensor_base(t) if tensor_base(t) is not None else t)
         if stats.shared == before:
             stats.compressed += 1
             stats.compressed_bytes += t.numel() * t.element_size()

@@ -95,6 +95,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._torch_private import tensor_version
 from ..config import LayerQConfig
 from ..quant import Bits
 from ..quant.api import draw_seed
@@ -502,7 +503,7 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
 
         save(ctx, comp(query), comp(key), comp(value) if need_qk else None)
         ctx.attn_mask = attn_mask  # a reference to the caller's tensor, never a copy
-        ctx.mask_version = attn_mask._version if attn_mask is not None else None
+        ctx.mask_version = tensor_version(attn_mask) if attn_mask is not None else None
         ctx.args = (dropout_p, is_causal, scale, enable_gqa, mask_round, block, seed)
         ctx.dtypes = (query.dtype, key.dtype, value.dtype)
         ctx.vshape = value.shape
@@ -518,11 +519,12 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                 "dV only). Detach the mask, or use torch's F.scaled_dot_product_attention "
                 "(qconfig enabled=False) for this call.")
         attn_mask = ctx.attn_mask
-        if attn_mask is not None and attn_mask._version != ctx.mask_version:
+        if attn_mask is not None and tensor_version(attn_mask) != ctx.mask_version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 "inplace operation: the attn_mask of actnn_zoo scaled_dot_product_attention is "
-                f"at version {attn_mask._version}; expected version {ctx.mask_version} instead.")
+                f"at version {tensor_version(attn_mask)}; expected version "
+                f"{ctx.mask_version} instead.")
         qc, kc, vc = load(ctx)
         dropout_p, is_causal, scale, enable_gqa, mask_round, block, seed = ctx.args
         need_q, need_k, need_v = ctx.needs_input_grad[:3]

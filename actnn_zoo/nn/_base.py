@@ -7,12 +7,12 @@ from typing import Any, ClassVar, Mapping, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor, nn
 
+from .._torch_private import clone_module_state
 from ..config import LayerQConfig
 from ..quant import Bits, SampleBits
 
 SOURCE_ATTR = "_az_source"
 _Q_ATTRS = ("qconfig", "sample_bits", "precision_stats", SOURCE_ATTR)
-_COPIED = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
 
 @dataclass(frozen=True)
@@ -28,33 +28,6 @@ class FloatSource:
 
     cls: type
     added: Tuple[str, ...] = ()
-
-
-def _is_hook_dict(key: str, value: object) -> bool:
-    """torch keeps hooks in ``_*hooks*`` dicts (forward, pre, backward, state_dict, ...)."""
-    return key.startswith("_") and "hooks" in key and isinstance(value, dict)
-
-
-def _clone_state(src: nn.Module, dst: nn.Module) -> None:
-    """Give ``dst`` the attributes of ``src``, sharing Parameters, buffers and submodules.
-
-    The parameter/buffer/module containers are copied so that later additions to one module do
-    not appear on the other; the objects in them are shared, so state_dict keys and values, an
-    optimizer built earlier and pretrained weights all stay valid.
-
-    Hook dicts are copied too (new dicts holding the same hook entries, as
-    ``torch.ao.quantization`` does): hooks registered before conversion keep firing on the
-    Q-layer, but a hook registered on one module afterwards never fires on the other, and a
-    hook on the Q-layer never receives the original torch layer (which has no ``quantizing``,
-    ``qconfig``, ...). The price: a handle returned *before* conversion removes its hook from
-    the original layer only; remove it from the converted layer with a new registration's
-    handle, or register hooks after conversion.
-    """
-    for key, value in src.__dict__.items():
-        if key in _Q_ATTRS:
-            continue
-        copy = (key in _COPIED and isinstance(value, (dict, set))) or _is_hook_dict(key, value)
-        dst.__dict__[key] = value.copy() if copy else value  # type: ignore[union-attr]
 
 
 def same_forward(cls: type, base: type) -> bool:
@@ -103,7 +76,7 @@ class QModule:
     @classmethod
     def from_float(cls, mod: nn.Module, qconfig: Optional[LayerQConfig] = None):
         """Build the Q-layer from a torch layer, sharing its Parameters and buffers (hooks are
-        copied, see :func:`_clone_state`).
+        copied, see :func:`actnn_zoo._torch_private.clone_module_state`).
 
         ``mod`` is an instance of ``_FLOAT_MODULE`` or of a subclass of it that does not
         override ``forward`` (:func:`same_forward`; e.g. torch's
@@ -125,7 +98,7 @@ class QModule:
         """The Q-layer sharing ``mod``'s state, plus ``attrs`` set on it (recorded when ``mod``
         lacks them, so :meth:`to_float` removes them). No type check: callers check."""
         new = cls.__new__(cls)
-        _clone_state(mod, new)
+        clone_module_state(mod, new, _Q_ATTRS)
         added = []
         for key, value in (attrs or {}).items():
             if key not in mod.__dict__:
@@ -160,7 +133,7 @@ class QModule:
         src = self.float_source
         cls = self.float_class()
         mod = cls.__new__(cls)
-        _clone_state(self, mod)
+        clone_module_state(self, mod, _Q_ATTRS)
         for key in src.added if src is not None else ():
             mod.__dict__.pop(key, None)
         return mod

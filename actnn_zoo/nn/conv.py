@@ -11,7 +11,7 @@ Eval / no_grad / qconfig.enabled=False: plain torch forward.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor, nn
 
@@ -73,14 +73,41 @@ class _QConvTransposeNd(QModule):
 
     _DIMS: int
 
+    def output_padding_for(self, input: Tensor,
+                           output_size: Optional[Sequence[int]]) -> Tuple[int, ...]:
+        """The output padding that makes the output ``output_size`` (torch's own helper is
+        private): ``output_size`` lists the spatial sizes, optionally after the batch and
+        channel sizes; each must lie in [min, min + stride - 1] with the documented
+        ``min = (in - 1) * stride - 2 * padding + dilation * (kernel - 1) + 1``."""
+        if output_size is None:
+            return tuple(self.output_padding)
+        dims = self._DIMS
+        leading = 2 if input.dim() == dims + 2 else 1  # batch and channel, or channel
+        size = [int(s) for s in output_size]
+        if len(size) == leading + dims:
+            size = size[leading:]
+        if len(size) != dims:
+            raise ValueError(f"{type(self).__name__}: output_size must have {dims} or "
+                             f"{leading + dims} elements (got {len(output_size)})")
+        padding = []
+        for d in range(dims):
+            low = ((input.size(d - dims) - 1) * self.stride[d] - 2 * self.padding[d]
+                   + self.dilation[d] * (self.kernel_size[d] - 1) + 1)
+            high = low + self.stride[d] - 1
+            if not low <= size[d] <= high:
+                raise ValueError(f"{type(self).__name__}: requested an output size of "
+                                 f"{size}, but valid sizes range from {low} to {high} (for "
+                                 f"an input of {list(input.size())[-dims:]})")
+            padding.append(size[d] - low)
+        return tuple(padding)
+
     def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
         if not use_function(self, input, self.weight, self.bias):
             return super().forward(input, output_size)
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for "
                              f"{self._FLOAT_MODULE.__name__}")
-        output_padding = self._output_padding(input, output_size, self.stride, self.padding,
-                                              self.kernel_size, self._DIMS, self.dilation)
+        output_padding = self.output_padding_for(input, output_size)
         spec = ConvSpec(self._DIMS, tuple(self.stride), tuple(self.padding),
                         tuple(self.dilation), self.groups, True, tuple(output_padding))
         return _run(self, input, spec)

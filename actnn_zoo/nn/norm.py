@@ -11,7 +11,7 @@ qconfig.enabled=False: plain torch forward.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,22 @@ def _verify_batch_size(size: Sequence[int]) -> None:
                          f"size {torch.Size(size)}")
 
 
+def _check_input_rank(layer: QModule, input: Tensor) -> None:
+    """The input-rank check of torch's BatchNorm classes, same messages, from the Q class's
+    ``_INPUT_RANKS`` (torch's own check, ``_check_input_dim``, is private)."""
+    ranks = layer._INPUT_RANKS
+    if (input.dim() >= 2) if ranks == "2+" else (input.dim() in ranks):
+        return
+    want = {"2+": "at least 2D", (2, 3): "2D or 3D"}.get(ranks, f"{ranks[0]}D")
+    raise ValueError(f"expected {want} input (got {input.dim()}D input)")
+
+
 class _QBatchNorm(QModule):
-    """forward for QBatchNorm1d/2d/3d and QSyncBatchNorm (mirrors nn.modules.batchnorm)."""
+    """forward for QBatchNorm1d/2d/3d and QSyncBatchNorm (mirrors nn.modules.batchnorm).
+
+    ``_INPUT_RANKS``: the input ranks the torch class accepts ("2+": two or more)."""
+
+    _INPUT_RANKS: Union[Tuple[int, ...], str]
 
     def _momentum_factor(self) -> float:
         """The exponential average factor of this training step (bumps num_batches_tracked)."""
@@ -54,7 +68,7 @@ class _QBatchNorm(QModule):
     def forward(self, input: Tensor) -> Tensor:
         if not use_function(self, input, self.weight, self.bias):
             return super().forward(input)
-        self._check_input_dim(input)
+        _check_input_rank(self, input)
         factor = self._momentum_factor()
         running_mean, running_var = self._running()
         _verify_batch_size(input.size())
@@ -64,6 +78,7 @@ class _QBatchNorm(QModule):
 
 class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
     _FLOAT_MODULE = nn.BatchNorm1d
+    _INPUT_RANKS = (2, 3)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None,
@@ -74,6 +89,7 @@ class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
 
 class QBatchNorm2d(_QBatchNorm, nn.BatchNorm2d):
     _FLOAT_MODULE = nn.BatchNorm2d
+    _INPUT_RANKS = (4,)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None,
@@ -84,6 +100,7 @@ class QBatchNorm2d(_QBatchNorm, nn.BatchNorm2d):
 
 class QBatchNorm3d(_QBatchNorm, nn.BatchNorm3d):
     _FLOAT_MODULE = nn.BatchNorm3d
+    _INPUT_RANKS = (5,)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None,
@@ -97,6 +114,7 @@ class QSyncBatchNorm(_QBatchNorm, nn.SyncBatchNorm):
     one rank (CPU/gloo included, unlike nn.SyncBatchNorm); otherwise exactly QBatchNorm."""
 
     _FLOAT_MODULE = nn.SyncBatchNorm
+    _INPUT_RANKS = "2+"
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, process_group=None,
@@ -108,8 +126,9 @@ class QSyncBatchNorm(_QBatchNorm, nn.SyncBatchNorm):
     def forward(self, input: Tensor) -> Tensor:
         if not use_function(self, input, self.weight, self.bias):
             return super(_QBatchNorm, self).forward(input)
-        self._check_input_dim(input)
-        self._check_non_zero_input_channels(input)
+        _check_input_rank(self, input)
+        if input.size(1) == 0:  # torch's message (its check is private)
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
         factor = self._momentum_factor()
         running_mean, running_var = self._running()
         group, world = None, 1

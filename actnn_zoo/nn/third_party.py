@@ -113,6 +113,8 @@ class QBatchNormAct2d(_ForeignOnly, _QBatchNorm, nn.BatchNorm2d):
     ``drop`` and ``act`` children (which the converter replaces by their Q-layers when it has
     them: a ReLU saves a 1-bit mask, a SiLU its compressed derivative)."""
 
+    _INPUT_RANKS = (4,)
+
     def forward(self, input: Tensor) -> Tensor:
         if not use_function(self, input, self.weight, self.bias):
             return self.plain_forward(None, input)

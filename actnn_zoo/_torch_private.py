@@ -1,0 +1,62 @@
+"""Every use of a private (leading-underscore) torch attribute in actnn_zoo, in one place.
+
+torch 2.13 has no public equivalent for these; each may change in a torch release, so a torch
+upgrade has this one file to check (tests/test_private_torch.py fails on a private torch name
+anywhere else in the package). What has a public equivalent uses it instead: BatchNorm's
+input-rank check and ConvTranspose's ``output_size`` are computed in the layers from public
+attributes, QConv's padding widths come from ``padding`` / ``kernel_size`` / ``dilation``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+# nn.Module keeps its parameters, buffers, submodules and the set of non-persistent buffer
+# names in these containers; a Q-layer made from a torch layer needs its own copy of each
+# (same objects inside) so that later additions to one module do not appear on the other.
+_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def tensor_version(t: Tensor) -> int:
+    """Autograd's in-place write counter of ``t`` (``Tensor._version``): the only way to tell
+    that memory seen earlier in a forward was modified since (torch uses it to raise on
+    saved tensors modified in place)."""
+    return t._version
+
+
+def tensor_base(t: Tensor) -> Optional[Tensor]:
+    """The tensor whose memory view ``t`` shares (``Tensor._base``), None for a non-view:
+    keeping it alive keeps the memory of ``t`` valid."""
+    return t._base
+
+
+def _is_hook_dict(key: str, value: object) -> bool:
+    """torch keeps hooks in ``_*hooks*`` dicts (forward, pre, backward, state_dict, ...)."""
+    return key.startswith("_") and "hooks" in key and isinstance(value, dict)
+
+
+def clone_module_state(src: nn.Module, dst: nn.Module, skip: tuple = ()) -> None:
+    """Give ``dst`` every attribute of ``src`` except ``skip``, sharing Parameters, buffers and
+    submodules (torch has no public API that moves a module's whole state, hooks included,
+    onto an object of another class).
+
+    The parameter/buffer/module containers are copied so that later additions to one module do
+    not appear on the other; the objects in them are shared, so state_dict keys and values, an
+    optimizer built earlier and pretrained weights all stay valid.
+
+    Hook dicts are copied too (new dicts holding the same hook entries, as
+    ``torch.ao.quantization`` does): hooks registered before conversion keep firing on the
+    Q-layer, but a hook registered on one module afterwards never fires on the other, and a
+    hook on the Q-layer never receives the original torch layer (which has no ``quantizing``,
+    ``qconfig``, ...). The price: a handle returned *before* conversion removes its hook from
+    the original layer only; remove it from the converted layer with a new registration's
+    handle, or register hooks after conversion.
+    """
+    state = vars(dst)
+    for key, value in vars(src).items():
+        if key in skip:
+            continue
+        copy = ((key in _CONTAINERS and isinstance(value, (dict, set)))
+                or _is_hook_dict(key, value))
+        state[key] = value.copy() if copy else value  # type: ignore[union-attr]
