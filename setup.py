@@ -15,6 +15,8 @@ NVCC_FLAGS = ["-O3", "--fmad=false"]
 cpu_sources = ["cpp_ext/quant_cpu.cpp", "cpp_ext/widths_cpu.cpp",
                "cpp_ext/bindings.cpp"]
 cuda_sources = ["cpp_ext/quant_cuda.cu"]
+cpu_sources += ["cpp_ext/hadamard_cpu.cpp"]
+cuda_sources += ["cpp_ext/hadamard_cuda.cu"]
 
 with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
              and all(os.path.exists(s) for s in cuda_sources)
