@@ -200,7 +200,7 @@ def test_converted_model_uses_the_transform_and_keeps_gradients():
     def grads(bits, seed):
         qm = az.convert_model(copy.deepcopy(model), {"bits": bits, "strategy": "uniform",
                                                      "capture": False, "transform": "hadamard"})
-        assert qm[0].qconfig.transform == "hadamard"
+        assert qm[0].qconfig.transform == "hadamard" and "transform=hadamard" in repr(qm[0])
         for p in qm.parameters():
             p.grad = None
         torch.manual_seed(seed)
