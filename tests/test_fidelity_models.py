@@ -47,7 +47,8 @@ class Scale(nn.Module):
 
 
 def _scales(c: int, seed: int) -> Tensor:
-    return torch.logspace(-3, 3, c)[torch.randperm(c, generator=torch.Generator().manual_seed(seed))]
+    order = torch.randperm(c, generator=torch.Generator().manual_seed(seed))
+    return torch.logspace(-3, 3, c)[order]
 
 
 def scaled_cnn() -> nn.Module:
@@ -195,8 +196,8 @@ def test_twenty_sgd_steps_without_divergence(name):
 def test_weight_gradients_unbiased(name):
     """K = 16 draws at fixed weights and batch, every Linear/Conv weight gradient. Unbiased
     means the error of the K-draw mean is noise: its norm is within 1.5x of what noise alone
-    gives, RMS(single-draw error) / sqrt(K) (measured about 1.0 for every layer at K = 24). A bias of
-    more than ~0.3 of one draw's RMS error would fail. (An element-wise t-test is not used:
+    gives, RMS(single-draw error) / sqrt(K) (measured about 1.0 for every layer at K = 24). A
+    bias of more than ~0.3 of one draw's RMS error would fail. (An element-wise t-test is not used:
     2-bit codes of near-constant groups give sample deviations that understate the spread.)"""
     ref, q = _pair(name)
     norm_type = BUILD[name][1]
