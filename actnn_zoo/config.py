@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
+from .quant.hadamard import TRANSFORMS, check_transform, check_transform_group
 
 __all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config"]
 
@@ -41,6 +42,8 @@ class LayerQConfig:
 
     Immutable and owned by the module: two converted models never share mutable settings.
     ``bits`` is the width used when no per-sample widths were set by a precision strategy.
+    ``transform`` ('none' or 'hadamard') is applied per group before quantizing
+    (:mod:`actnn_zoo.quant.hadamard`).
     """
 
     bits: int = 2
@@ -48,6 +51,7 @@ class LayerQConfig:
     rounding: str = "stochastic"
     enabled: bool = True
     backward_chunks: int = DEFAULT_BACKWARD_CHUNKS
+    transform: str = "none"
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "bits")
@@ -57,12 +61,19 @@ class LayerQConfig:
             raise ValueError(f"rounding must be one of {ROUNDING}, got {self.rounding!r}")
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
+        check_transform(self.transform, "transform")
+        check_transform_group(self.transform, self.group_size)
 
     def replace(self, **changes) -> "LayerQConfig":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field; ``transform`` only when it is not 'none' (so configs written before it
+        existed read the same)."""
+        out = asdict(self)
+        if out["transform"] == "none":
+            del out["transform"]
+        return out
 
 
 # Bit-allocation strategies a QuantConfig may name (implemented in actnn_zoo.precision, whose
@@ -81,14 +92,14 @@ DEFAULT_ERROR_FRACTION = 0.1
 ERROR_FRACTION_MAX = 1e6
 
 TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "capture",
-            "capture_bits", "error_fraction", "backward_chunks", "rules")
+            "capture_bits", "error_fraction", "transform", "backward_chunks", "rules")
 # keys to_dict writes only when they differ from their default (a strategy-specific setting
 # does not clutter every other config's dict / YAML)
 _OPTIONAL_KEYS = MappingProxyType({"error_fraction": DEFAULT_ERROR_FRACTION,
-                                   "capture_bits": None,
+                                   "capture_bits": None, "transform": "none",
                                    "backward_chunks": DEFAULT_BACKWARD_CHUNKS})
 MATCHER_KEYS = ("type", "name", "pattern")
-ACTION_KEYS = ("bits", "group_size", "rounding", "skip")
+ACTION_KEYS = ("bits", "group_size", "rounding", "transform", "skip")
 RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
 
 _TYPE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
@@ -256,7 +267,8 @@ class Rule:
 
     Matchers: ``type`` (torch class name or dotted path), ``name`` (exact module name) or
     ``pattern`` (glob, or ``re:`` + regex, on the module name); each takes a string or a list
-    (any element may match). Actions: ``bits``, ``group_size``, ``rounding``, ``skip``; a rule
+    (any element may match). Actions: ``bits``, ``group_size``, ``rounding``, ``transform``,
+    ``skip``; a rule
     changes only the fields it sets, so ``skip: false`` in a stronger rule un-skips.
     """
 
@@ -266,6 +278,7 @@ class Rule:
     bits: Optional[int] = None
     group_size: Optional[int] = None
     rounding: Optional[str] = None
+    transform: Optional[str] = None
     skip: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -324,6 +337,7 @@ _RULE_CHECKS = MappingProxyType({
     "bits": _check_layer_bits,
     "group_size": _check_group,
     "rounding": _check_rounding,
+    "transform": check_transform,
     "skip": lambda v: _check_bool(v, "skip"),
 })
 
@@ -382,6 +396,9 @@ class QuantConfig:
     ``backward_chunks`` (default 1, off): conv, linear, batch-norm and smooth-activation backward
     decode a saved input of at least 1 MiB this many samples-chunks at a time, so the step's
     peak holds a chunk of it rather than all of it, at the cost of more, smaller kernel calls.
+    ``transform`` ('none', the default, or 'hadamard'; also a rule action) rotates each group
+    of what the Q-layers save with a randomized Walsh-Hadamard transform before quantizing
+    (needs a power-of-two ``group_size``; the capture tiers do not rotate).
     """
 
     bits: Union[int, float] = 2
@@ -394,6 +411,7 @@ class QuantConfig:
     capture_bits: Optional[int] = None
     error_fraction: float = DEFAULT_ERROR_FRACTION
     backward_chunks: int = DEFAULT_BACKWARD_CHUNKS
+    transform: str = "none"
     rules: Tuple[Rule, ...] = ()
     source: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -486,6 +504,7 @@ class QuantConfig:
         if not self.enabled:
             return None, "disabled"
         bits, group, rounding = self.layer_bits(), self.group_size, self.rounding
+        transform = self.transform
         skip, skip_by = False, None
         for kind in ("type", "pattern", "name"):  # weakest first; later rules override
             for index, rule in enumerate(self.rules):
@@ -494,12 +513,19 @@ class QuantConfig:
                 bits = rule.bits if rule.bits is not None else bits
                 group = rule.group_size if rule.group_size is not None else group
                 rounding = rule.rounding if rule.rounding is not None else rounding
+                transform = rule.transform if rule.transform is not None else transform
                 if rule.skip is not None:
                     skip, skip_by = rule.skip, index
         if skip:
             return None, f"skipped by rule {skip_by} ({self.rules[skip_by].describe()})"
+        if transform == "hadamard":
+            try:
+                check_transform_group(transform, group)
+            except ValueError as e:
+                raise ValueError(f"module {module_name!r}: {e} (transform and group_size come "
+                                 f"from the config and its rules)") from None
         return LayerQConfig(bits=bits, group_size=group, rounding=rounding,
-                            backward_chunks=self.backward_chunks), None
+                            transform=transform, backward_chunks=self.backward_chunks), None
 
     def pinned_bits(self, module_name: str, module: object) -> Optional[int]:
         """The width a rule fixes for this module (the strongest matching rule with ``bits``),
@@ -539,6 +565,7 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
         "update_interval": _check_interval,
         "error_fraction": _check_error_fraction,
         "backward_chunks": _check_chunks,
+        "transform": check_transform,
     }
     for key, check in checks.items():
         if key in out:
@@ -551,6 +578,11 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
             out["bits"] = _check_budget(out.get("strategy", DEFAULT_STRATEGY), out["bits"])
         except ValueError as e:
             raise where.error(("bits",), str(e)) from None
+    if out.get("transform") == "hadamard" and "group_size" in out:
+        try:
+            check_transform_group("hadamard", out["group_size"])
+        except ValueError as e:
+            raise where.error(("group_size",), str(e)) from None
     if "rules" in out:
         rules = out["rules"]
         if rules is None:

@@ -5,6 +5,7 @@
 // kernels show up in torch.profiler tables like operators do. With no profiler running that is
 // one check of a flag, unlike a Python `record_function`, which costs an operator call each time.
 #include "kernels.h"
+#include "hadamard.h"
 
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
@@ -145,6 +146,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("extra"),
         "CPU only: uint8 widths in {1, 2, 4, 8} minimising sum score / (2^b - 1)^2 with at most "
         "`extra` bits above 1 each (precision.solver.allocate_samples).");
+  actnn_zoo::register_hadamard(m);
 #ifdef ACTNN_ZOO_CUDA
   m.attr("has_cuda") = py::bool_(true);
 #else

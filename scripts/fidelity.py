@@ -79,10 +79,13 @@ def model_zoo() -> Dict[str, Tuple[Callable[[], nn.Module], Batch]]:
             "tv-densenet121": (lambda: M.densenet121(num_classes=10), _images(64)),
             "tv-efficientnet_b0": (lambda: M.efficientnet_b0(num_classes=10, dropout=0.0),
                                    _images(64)),
+            "tv-shufflenet_v2": (lambda: M.shufflenet_v2_x0_5(num_classes=10), _images(64)),
         })
     if timm is not None:
         zoo["timm-convnext_atto"] = (lambda: timm.create_model("convnext_atto", num_classes=10),
                                      _images(64))
+        zoo["timm-vit_tiny"] = (lambda: timm.create_model(
+            "vit_tiny_patch16_224", img_size=64, num_classes=10), _images(64))
     try:
         import transformers as T
     except ImportError:
@@ -181,6 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bits", type=float, default=None, help="override the config's bits")
     p.add_argument("--strategy", default=None)
     p.add_argument("--config", default=None, help="YAML config for convert_model")
+    p.add_argument("--transform", choices=("none", "hadamard"), default=None,
+                   help="override the config's transform (per-group rotation before quantizing)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -197,11 +202,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         kw["bits"] = int(args.bits) if float(args.bits).is_integer() else args.bits
     if args.strategy:
         kw["strategy"] = args.strategy
+    if args.transform:
+        kw["transform"] = args.transform
     results = {name: run(name, *zoo[name], args.steps, args.batch, kw, args.lr) for name in names}
     print("\nsummary: " + ", ".join(
         f"{k}: {'diverged at %d' % v['diverged_at'] if v['diverged_at'] else 'ok'} "
         f"(mean grad cos {sum(r['grad_cos'] for r in v['steps']) / len(v['steps']):.3f})"
         for k, v in results.items()))
+    means = sorted(sum(r["grad_cos"] for r in v["steps"]) / len(v["steps"])
+                   for v in results.values())
+    mid = len(means) // 2
+    median = means[mid] if len(means) % 2 else (means[mid - 1] + means[mid]) / 2
+    print(f"median over models of the mean grad cos: {median:.3f}; diverged: "
+          f"{sum(1 for v in results.values() if v['diverged_at'])} of {len(results)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},

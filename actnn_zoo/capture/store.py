@@ -168,21 +168,26 @@ class CompressedStore:
     # -- the one store ---------------------------------------------------------------------
     @_eager
     def compress(self, x: Tensor, bits: Bits, group_size: int, rounding: str,
-                 owner: Optional[Tensor] = None, quantize_fn: Any = None) -> QuantizedTensor:
+                 owner: Optional[Tensor] = None, quantize_fn: Any = None,
+                 transform: str = "none") -> QuantizedTensor:
         """``quantize(x, ...)``, answered from the store when the same memory at the same
         version was already compressed with the same settings in this forward. ``owner``: the
         tensor object whose life keeps ``x``'s memory valid (default: ``x``'s base, else
-        ``x``). ``quantize_fn``: what quantizes (default :func:`actnn_zoo.quant.quantize`)."""
+        ``x``). ``quantize_fn``: what quantizes (default :func:`actnn_zoo.quant.quantize`).
+        ``transform``: passed on (and part of the key) only when not 'none'."""
         quantize_fn = quantize if quantize_fn is None else quantize_fn
+        kw = {"rounding": rounding}
+        if transform != "none":
+            kw["transform"] = transform
         if not isinstance(bits, int) or x.layout != torch.strided:
-            return quantize_fn(x, bits, group_size, rounding=rounding)  # per-sample: not shared
+            return quantize_fn(x, bits, group_size, **kw)  # per-sample: not shared
         key = (_storage_ptr(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
-               tensor_version(x), bits, group_size, rounding)
+               tensor_version(x), bits, group_size, rounding, transform)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None:
             self.stats.shared += 1
             return hit[1]
-        q = quantize_fn(x, bits, group_size, rounding=rounding)
+        q = quantize_fn(x, bits, group_size, **kw)
         if owner is None:
             owner = tensor_base(x) if tensor_base(x) is not None else x
         self._cache[key] = (weakref.ref(owner), q)

@@ -29,16 +29,18 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None
     session = active_session()
     if session is not None:
         return session.store.compress(x, b, qconfig.group_size, qconfig.rounding,
-                                      quantize_fn=_quantize_any_float)
-    return _quantize_any_float(x, b, qconfig.group_size, rounding=qconfig.rounding)
+                                      quantize_fn=_quantize_any_float,
+                                      transform=qconfig.transform)
+    return _quantize_any_float(x, b, qconfig.group_size, rounding=qconfig.rounding,
+                               transform=qconfig.transform)
 
 
-def _quantize_any_float(x: Tensor, bits: Bits, group_size: int, rounding: str
-                        ) -> QuantizedTensor:
+def _quantize_any_float(x: Tensor, bits: Bits, group_size: int, rounding: str,
+                        transform: str = "none") -> QuantizedTensor:
     """``quantize`` (looked up at call time), with float64 cast to float32 first."""
     if x.dtype == torch.float64:
         x = x.float()
-    return quantize(x, bits, group_size, rounding=rounding)
+    return quantize(x, bits, group_size, rounding=rounding, transform=transform)
 
 
 def save(ctx, *items: Saved) -> None:

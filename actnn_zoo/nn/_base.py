@@ -141,6 +141,8 @@ class QModule:
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]
         q = f"bits={self.qconfig.bits}, group_size={self.qconfig.group_size}"
+        if self.qconfig.transform != "none":
+            q += f", transform={self.qconfig.transform}"
         if not self.qconfig.enabled:
             q += ", enabled=False"
         return f"{base}, {q}" if base else q

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .backend import kernels
+from .hadamard import check_transform, check_transform_group, hadamard_
 from .reference import row_offsets
 from .tensor import QuantizedTensor
 
@@ -152,7 +153,7 @@ def _uniform_offsets(n: int, d: int, bits: int, device: torch.device) -> Tensor:
 
 def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
              seed: Optional[int] = None, rounding: str = "stochastic",
-             validate: Optional[bool] = None) -> QuantizedTensor:
+             validate: Optional[bool] = None, transform: str = "none") -> QuantizedTensor:
     """Compress ``x`` to ``bits`` per value with per-group stochastic rounding.
 
     ``bits`` is 1, 2, 4 or 8, or a 1-d integer tensor with one such width per sample (row),
@@ -163,6 +164,10 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     ``validate`` (default: the ``ACTNN_ZOO_DEBUG`` environment variable) checks
     :class:`SampleBits` widths and their ``max_sum`` on the host on every device: the CUDA
     kernel would otherwise pack nothing for an invalid width and clip what overflows.
+    ``transform='hadamard'`` quantizes the randomized Walsh-Hadamard transform of each full
+    group instead (``group_size`` a power of two in [32, 8192]; signs from ``seed``), which
+    :func:`dequantize` inverts: still unbiased, with outliers spread over their group
+    (:mod:`actnn_zoo.quant.hadamard`). It costs one float32 copy of ``x`` while quantizing.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -171,6 +176,8 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     group_size = check_group_size(group_size)
     if rounding not in ROUNDING:
         raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
+    check_transform(transform)
+    check_transform_group(transform, group_size)
     if seed is None:
         seed = draw_seed() if rounding == "stochastic" else 0
     elif isinstance(seed, bool) or not isinstance(seed, int):
@@ -178,6 +185,9 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
 
     rows = as_rows(x.detach())
     n, d = rows.shape
+    if transform == "hadamard" and n * d:
+        rows = hadamard_(rows.to(torch.float32, memory_format=torch.contiguous_format,
+                                 copy=True), group_size, seed)
     row_bits, uniform = _row_bits(bits, n, x.device)
     if isinstance(bits, SampleBits) and debug_checks(validate):
         _check_widths(bits.bits, "SampleBits.bits")
@@ -199,10 +209,12 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
         data, lo, step = kernels(x.device).quantize(
             rows.contiguous(), row_bits, offsets, total, group_size, seed & 0xFFFFFFFF,
             rounding == "stochastic")
+    tseed = seed & 0xFFFFFFFF if transform != "none" else 0
     if uniform is None:
         return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
-                               row_bits, offsets)
-    return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size)
+                               row_bits, offsets, transform, tseed)
+    return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
+                           transform=transform, transform_seed=tseed)
 
 
 def _capacity(bits: Bits, offsets: Tensor, n: int, d: int) -> int:
@@ -231,11 +243,16 @@ def dequantize(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"dequantize expects a QuantizedTensor, got {type(q).__name__}")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rotated = q.transform == "hadamard"
+    # the inverse rotation runs in float32 before any rounding to a 16-bit dtype
+    out = torch.empty(q.shape, dtype=torch.float32 if rotated else q.dtype, device=q.device)
     if out.numel() == 0:
-        return out
+        return out.to(q.dtype)
     rows = as_rows(out)
     _dequantize_rows_into(q, 0, rows.shape[0], rows, validate)
+    if rotated:
+        hadamard_(rows, q.group_size, q.transform_seed, inverse=True)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
     return out
 
 
@@ -265,7 +282,13 @@ def dequantize_rows(q: QuantizedTensor, start: int, stop: int, out: Optional[Ten
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {shape} on "
                          f"{q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if out.numel():
-        _dequantize_rows_into(q, start, stop, as_rows(out), validate)
+        if q.transform == "hadamard":  # the signs depend on the column only: rows invert alone
+            rows = torch.empty(shape, dtype=torch.float32, device=q.device)
+            _dequantize_rows_into(q, start, stop, as_rows(rows), validate)
+            out.copy_(hadamard_(as_rows(rows), q.group_size, q.transform_seed,
+                                inverse=True).view(shape))
+        else:
+            _dequantize_rows_into(q, start, stop, as_rows(out), validate)
     return out
 
 

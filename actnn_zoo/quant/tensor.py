@@ -16,6 +16,9 @@ class QuantizedTensor:
     ``step`` are bfloat16 ``(N, G)``. With uniform ``bits`` the offsets are implied
     (``n * ceil(D * bits / 8)``) and not stored; with per-sample bits ``row_bits`` (uint8, N) and
     ``offsets`` (int64, N + 1) are kept and counted in :attr:`nbytes`.
+    ``transform`` is 'none' or 'hadamard': the codes then hold the randomized Walsh-Hadamard
+    transform of each full group (signs from ``transform_seed``), which dequantize inverts
+    (:mod:`actnn_zoo.quant.hadamard`).
     """
 
     data: Tensor
@@ -27,6 +30,8 @@ class QuantizedTensor:
     group_size: int
     row_bits: Optional[Tensor] = None
     offsets: Optional[Tensor] = None
+    transform: str = "none"
+    transform_seed: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -60,18 +65,20 @@ class QuantizedTensor:
 
     def spec(self) -> tuple:
         """The non-tensor part, to keep on ``ctx``; :meth:`rebuild` joins the two again."""
-        return (self.shape, self.dtype, self.bits, self.group_size, self.mixed)
+        return (self.shape, self.dtype, self.bits, self.group_size, self.mixed, self.transform,
+                self.transform_seed)
 
     @classmethod
     def rebuild(cls, spec: tuple, tensors: Tuple[Tensor, ...]) -> "QuantizedTensor":
-        shape, dtype, bits, group_size, mixed = spec
+        shape, dtype, bits, group_size, mixed, transform, transform_seed = spec
         if mixed:
             data, lo, step, row_bits, offsets = tensors
         else:
             (data, lo, step), row_bits, offsets = tensors, None, None
-        return cls(data, lo, step, shape, dtype, bits, group_size, row_bits, offsets)
+        return cls(data, lo, step, shape, dtype, bits, group_size, row_bits, offsets, transform,
+                   transform_seed)
 
     def __repr__(self) -> str:
         width = "mixed" if self.mixed else f"{self.bits}"
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={width}, "
-                f"group_size={self.group_size}, nbytes={self.nbytes})")
+                f"group_size={self.group_size}, transform={self.transform}, nbytes={self.nbytes})")
