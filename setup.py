@@ -13,8 +13,8 @@ if os.environ.get("ACTNN_ZOO_NATIVE", "0") == "1":
     CXX_FLAGS.append("-march=native")
 NVCC_FLAGS = ["-O3", "--fmad=false"]
 cpu_sources = ["cpp_ext/quant_cpu.cpp", "cpp_ext/widths_cpu.cpp",
-               "cpp_ext/bindings.cpp"]
-cuda_sources = ["cpp_ext/quant_cuda.cu"]
+               "cpp_ext/bindings.cpp", "cpp_ext/division_cpu.cpp"]
+cuda_sources = ["cpp_ext/quant_cuda.cu", "cpp_ext/division_cuda.cu"]
 
 with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
              and all(os.path.exists(s) for s in cuda_sources)

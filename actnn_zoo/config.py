@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
+from .quant.division import COMPRESSORS, DEFAULT_BLOCK, check_block, check_compressor
 
 __all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config"]
 
@@ -27,12 +28,17 @@ class LayerQConfig:
 
     Immutable and owned by the module: two converted models never share mutable settings.
     ``bits`` is the width used when no per-sample widths were set by a precision strategy.
+    ``compressor``: 'quant' (per-group quantization) or 'division' (DIVISION's dual precision
+    for tensors of 3 to 5 dims, the plain quantizer for the others; ``actnn_zoo.quant.division``)
+    with low-part blocks of ``division_block`` values per dim.
     """
 
     bits: int = 2
     group_size: int = 256
     rounding: str = "stochastic"
     enabled: bool = True
+    compressor: str = "quant"
+    division_block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "bits")
@@ -41,6 +47,8 @@ class LayerQConfig:
             raise ValueError(f"rounding must be one of {ROUNDING}, got {self.rounding!r}")
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
+        check_compressor(self.compressor)
+        check_block(self.division_block)
 
     def replace(self, **changes) -> "LayerQConfig":
         return replace(self, **changes)
@@ -65,13 +73,14 @@ DEFAULT_ERROR_FRACTION = 0.1
 ERROR_FRACTION_MAX = 1e6
 
 TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "capture",
-            "capture_bits", "error_fraction", "rules")
+            "capture_bits", "error_fraction", "compressor", "division_block", "rules")
 # keys to_dict writes only when they differ from their default (a strategy-specific setting
 # does not clutter every other config's dict / YAML)
 _OPTIONAL_KEYS = MappingProxyType({"error_fraction": DEFAULT_ERROR_FRACTION,
-                                   "capture_bits": None})
+                                   "capture_bits": None, "compressor": "quant",
+                                   "division_block": DEFAULT_BLOCK})
 MATCHER_KEYS = ("type", "name", "pattern")
-ACTION_KEYS = ("bits", "group_size", "rounding", "skip")
+ACTION_KEYS = ("bits", "group_size", "rounding", "skip", "compressor")
 RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
 
 _TYPE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
@@ -250,6 +259,7 @@ class Rule:
     group_size: Optional[int] = None
     rounding: Optional[str] = None
     skip: Optional[bool] = None
+    compressor: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_rule_values(self, _Where(), ())
@@ -308,6 +318,7 @@ _RULE_CHECKS = MappingProxyType({
     "group_size": _check_group,
     "rounding": _check_rounding,
     "skip": lambda v: _check_bool(v, "skip"),
+    "compressor": check_compressor,
 })
 
 
@@ -362,6 +373,10 @@ class QuantConfig:
     other saved tensor (:mod:`actnn_zoo.capture`); ``capture_bits`` (default: the width of
     ``bits``) is the width tiers 2-3 use, so that a model can keep its Q-layers at 2 bits and
     compress what the capture tiers see (attention operands, products) with more.
+    ``compressor`` (default 'quant'; also a rule action) 'division' stores tensors of 3 to 5
+    dims -- (N, C, L), (N, C, H, W), (N, C, D, H, W) -- as DIVISION does: the mean over blocks
+    of ``division_block`` (default 8) values per spatial dim in bfloat16 plus the residual at
+    the layer's width (:mod:`actnn_zoo.quant.division`); other tensors keep the quantizer.
     """
 
     bits: Union[int, float] = 2
@@ -373,6 +388,8 @@ class QuantConfig:
     capture: bool = True
     capture_bits: Optional[int] = None
     error_fraction: float = DEFAULT_ERROR_FRACTION
+    compressor: str = "quant"
+    division_block: int = DEFAULT_BLOCK
     rules: Tuple[Rule, ...] = ()
     source: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -465,6 +482,7 @@ class QuantConfig:
         if not self.enabled:
             return None, "disabled"
         bits, group, rounding = self.layer_bits(), self.group_size, self.rounding
+        compressor = self.compressor
         skip, skip_by = False, None
         for kind in ("type", "pattern", "name"):  # weakest first; later rules override
             for index, rule in enumerate(self.rules):
@@ -473,11 +491,13 @@ class QuantConfig:
                 bits = rule.bits if rule.bits is not None else bits
                 group = rule.group_size if rule.group_size is not None else group
                 rounding = rule.rounding if rule.rounding is not None else rounding
+                compressor = rule.compressor if rule.compressor is not None else compressor
                 if rule.skip is not None:
                     skip, skip_by = rule.skip, index
         if skip:
             return None, f"skipped by rule {skip_by} ({self.rules[skip_by].describe()})"
-        return LayerQConfig(bits=bits, group_size=group, rounding=rounding), None
+        return LayerQConfig(bits=bits, group_size=group, rounding=rounding, compressor=compressor,
+                            division_block=self.division_block), None
 
     def pinned_bits(self, module_name: str, module: object) -> Optional[int]:
         """The width a rule fixes for this module (the strongest matching rule with ``bits``),
@@ -516,6 +536,8 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
         "capture_bits": _check_capture_bits,
         "update_interval": _check_interval,
         "error_fraction": _check_error_fraction,
+        "compressor": check_compressor,
+        "division_block": check_block,
     }
     for key, check in checks.items():
         if key in out:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles cpp_ext/quant_cuda.cu to an object file (no link) for sm_80 and sm_90 with the flags a
+# Compiles each cpp_ext/*.cu to an object file (no link) for sm_80 and sm_90 with the flags a
 # real CUDA build of actnn_zoo._C uses (torch.utils.cpp_extension's nvcc flags + setup.py's), so a
 # machine with nvcc but without a GPU or a CUDA build of torch can prove the CUDA code compiles.
 #
@@ -72,18 +72,21 @@ STRICT=(-Xptxas=-warn-spills -Werror=all-warnings)
 GENCODE=()
 for a in $ARCHS; do GENCODE+=("-gencode=arch=compute_$a,code=sm_$a"); done
 
-CMD=("$NVCC" -c cpp_ext/quant_cuda.cu -o "$OUT_DIR/quant_cuda.o"
+"$NVCC" --version | tail -n 2
+for SRC in cpp_ext/*.cu; do  # every CUDA source of the extension
+OBJ="$OUT_DIR/$(basename "${SRC%.cu}").o"
+CMD=("$NVCC" -c "$SRC" -o "$OBJ"
      "-I$ROOT/cpp_ext" "${EXTRA_INC[@]}" -isystem "$CUDA_INC" "${TORCH_FLAGS[@]}"
      --compiler-options "-fPIC" -std=c++20
      -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H
      -O3 --fmad=false -DACTNN_ZOO_CUDA
      "${GENCODE[@]}" "${STRICT[@]}" ${NVCC_EXTRA:-})
-"$NVCC" --version | tail -n 2
 echo "+ ${CMD[*]}"
 "${CMD[@]}"
-echo "check_cuda_build: OK: $OUT_DIR/quant_cuda.o ($(stat -c %s "$OUT_DIR/quant_cuda.o") bytes) for sm_${ARCHS// /, sm_}"
+echo "check_cuda_build: OK: $OBJ ($(stat -c %s "$OBJ") bytes) for sm_${ARCHS// /, sm_}"
 CUOBJDUMP="$(command -v cuobjdump || true)"
 [ -z "$CUOBJDUMP" ] && [ -n "$NVCC_REAL" ] && [ -x "$NVCC_REAL/bin/cuobjdump" ] && CUOBJDUMP="$NVCC_REAL/bin/cuobjdump"
 if [ -n "$CUOBJDUMP" ]; then
-  "$CUOBJDUMP" --list-elf "$OUT_DIR/quant_cuda.o" || true
+  "$CUOBJDUMP" --list-elf "$OBJ" || true
 fi
+done
