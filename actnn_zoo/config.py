@@ -54,7 +54,12 @@ class LayerQConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings; ``compressor`` / ``division_block`` only when not the defaults."""
+        out = asdict(self)
+        for key, default in (("compressor", "quant"), ("division_block", DEFAULT_BLOCK)):
+            if out[key] == default:
+                del out[key]
+        return out
 
 
 # Bit-allocation strategies a QuantConfig may name (implemented in actnn_zoo.precision, whose

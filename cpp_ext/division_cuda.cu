@@ -15,8 +15,12 @@
 // clipped to the buffer. ACTNN_ZOO_DEBUG=1 checks them on the host first (actnn_zoo.quant.api).
 #include "kernels.h"
 
-#include <ATen/cuda/CUDAContext.h>
+// c10/cuda only (as quant_cuda.cu): ATen/cuda/CUDAContext.h pulls in cuSPARSE / cuBLAS headers
+// that a bare toolkit lacks.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -217,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize_cud
   at::Tensor step = at::empty({n, g.c}, opts.dtype(at::kBFloat16));
   if (x5.numel() == 0) return {data, low, lo, step};
   const uint32_t key = seed_key(static_cast<uint32_t>(seed));
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   uint16_t* low_p = has_low ? reinterpret_cast<uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr;
   uint16_t* step_p = reinterpret_cast<uint16_t*>(step.data_ptr<at::BFloat16>());
   auto run = [&](auto tag) {
@@ -248,7 +252,7 @@ at::Tensor division_dequantize_cuda(const at::Tensor& data, const at::Tensor& lo
   TORCH_CHECK_VALUE(block >= 1, "block must be >= 1");
   const Geo g = geometry(out.sizes(), block);
   if (out.numel() == 0) return out;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   const uint16_t* low_p =
       has_low ? reinterpret_cast<const uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr;
   auto run = [&](auto tag) {
