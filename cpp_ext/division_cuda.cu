@@ -66,7 +66,8 @@ __global__ void division_quantize_kernel(const T* __restrict__ x, Geo g,
                                          const int64_t* __restrict__ offsets, int64_t total,
                                          bool has_low, uint32_t key, bool stochastic,
                                          uint32_t* __restrict__ words, uint16_t* __restrict__ low,
-                                         float* __restrict__ lo_out, uint16_t* __restrict__ step_out) {
+                                         float* __restrict__ lo_out,
+                                         uint16_t* __restrict__ step_out) {
   const int64_t map = blockIdx.x;
   const int64_t n = map / g.c, ch = map % g.c;
   const T* xm = x + map * g.s;

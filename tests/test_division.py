@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,7 +344,8 @@ def test_division_under_a_mixed_precision_strategy():
 
 # ---------------------------------------------------------------------------- config
 def test_config_keys_and_errors_name_the_key(tmp_path):
-    cfg = QuantConfig.from_yaml("configs/division.yaml")
+    cfg = QuantConfig.from_yaml(Path(__file__).resolve().parents[1] / "configs"
+                                / "division.yaml")
     assert cfg.compressor == "division" and cfg.division_block == 8
     assert QuantConfig.from_dict(cfg.to_dict()) == cfg
     assert "compressor" not in QuantConfig().to_dict()  # optional keys stay out by default
