@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
 from .quant.hadamard import TRANSFORMS, check_transform, check_transform_group
+from .quant.division import COMPRESSORS, DEFAULT_BLOCK, check_block, check_compressor
 
 __all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config"]
 
@@ -44,6 +45,9 @@ class LayerQConfig:
     ``bits`` is the width used when no per-sample widths were set by a precision strategy.
     ``transform`` ('none' or 'hadamard') is applied per group before quantizing
     (:mod:`actnn_zoo.quant.hadamard`).
+    ``compressor``: 'quant' (per-group quantization) or 'division' (DIVISION's dual precision
+    for tensors of 3 to 5 dims, the plain quantizer for the others; ``actnn_zoo.quant.division``)
+    with low-part blocks of ``division_block`` values per dim.
     """
 
     bits: int = 2
@@ -52,6 +56,8 @@ class LayerQConfig:
     enabled: bool = True
     backward_chunks: int = DEFAULT_BACKWARD_CHUNKS
     transform: str = "none"
+    compressor: str = "quant"
+    division_block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "bits")
@@ -63,16 +69,20 @@ class LayerQConfig:
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
         check_transform(self.transform, "transform")
         check_transform_group(self.transform, self.group_size)
+        check_compressor(self.compressor)
+        check_block(self.division_block)
 
     def replace(self, **changes) -> "LayerQConfig":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """Every field; ``transform`` only when it is not 'none' (so configs written before it
-        existed read the same)."""
+        """The settings; ``transform``, ``compressor`` and ``division_block`` only when not
+        the defaults (so configs written before they existed read the same)."""
         out = asdict(self)
-        if out["transform"] == "none":
-            del out["transform"]
+        for key, default in (("transform", "none"), ("compressor", "quant"),
+                             ("division_block", DEFAULT_BLOCK)):
+            if out[key] == default:
+                del out[key]
         return out
 
 
@@ -92,14 +102,16 @@ DEFAULT_ERROR_FRACTION = 0.1
 ERROR_FRACTION_MAX = 1e6
 
 TOP_KEYS = ("bits", "group_size", "strategy", "rounding", "enabled", "update_interval", "capture",
-            "capture_bits", "error_fraction", "transform", "backward_chunks", "rules")
+            "capture_bits", "error_fraction", "transform", "backward_chunks", "compressor",
+            "division_block", "rules")
 # keys to_dict writes only when they differ from their default (a strategy-specific setting
 # does not clutter every other config's dict / YAML)
 _OPTIONAL_KEYS = MappingProxyType({"error_fraction": DEFAULT_ERROR_FRACTION,
                                    "capture_bits": None, "transform": "none",
-                                   "backward_chunks": DEFAULT_BACKWARD_CHUNKS})
+                                   "backward_chunks": DEFAULT_BACKWARD_CHUNKS,
+                                   "compressor": "quant", "division_block": DEFAULT_BLOCK})
 MATCHER_KEYS = ("type", "name", "pattern")
-ACTION_KEYS = ("bits", "group_size", "rounding", "transform", "skip")
+ACTION_KEYS = ("bits", "group_size", "rounding", "transform", "skip", "compressor")
 RULE_KEYS = MATCHER_KEYS + ACTION_KEYS
 
 _TYPE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
@@ -280,6 +292,7 @@ class Rule:
     rounding: Optional[str] = None
     transform: Optional[str] = None
     skip: Optional[bool] = None
+    compressor: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_rule_values(self, _Where(), ())
@@ -339,6 +352,7 @@ _RULE_CHECKS = MappingProxyType({
     "rounding": _check_rounding,
     "transform": check_transform,
     "skip": lambda v: _check_bool(v, "skip"),
+    "compressor": check_compressor,
 })
 
 
@@ -399,6 +413,10 @@ class QuantConfig:
     ``transform`` ('none', the default, or 'hadamard'; also a rule action) rotates each group
     of what the Q-layers save with a randomized Walsh-Hadamard transform before quantizing
     (needs a power-of-two ``group_size``; the capture tiers do not rotate).
+    ``compressor`` (default 'quant'; also a rule action) 'division' stores tensors of 3 to 5
+    dims -- (N, C, L), (N, C, H, W), (N, C, D, H, W) -- as DIVISION does: the mean over blocks
+    of ``division_block`` (default 8) values per spatial dim in bfloat16 plus the residual at
+    the layer's width (:mod:`actnn_zoo.quant.division`); other tensors keep the quantizer.
     """
 
     bits: Union[int, float] = 2
@@ -412,6 +430,8 @@ class QuantConfig:
     error_fraction: float = DEFAULT_ERROR_FRACTION
     backward_chunks: int = DEFAULT_BACKWARD_CHUNKS
     transform: str = "none"
+    compressor: str = "quant"
+    division_block: int = DEFAULT_BLOCK
     rules: Tuple[Rule, ...] = ()
     source: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -505,6 +525,7 @@ class QuantConfig:
             return None, "disabled"
         bits, group, rounding = self.layer_bits(), self.group_size, self.rounding
         transform = self.transform
+        compressor = self.compressor
         skip, skip_by = False, None
         for kind in ("type", "pattern", "name"):  # weakest first; later rules override
             for index, rule in enumerate(self.rules):
@@ -514,6 +535,7 @@ class QuantConfig:
                 group = rule.group_size if rule.group_size is not None else group
                 rounding = rule.rounding if rule.rounding is not None else rounding
                 transform = rule.transform if rule.transform is not None else transform
+                compressor = rule.compressor if rule.compressor is not None else compressor
                 if rule.skip is not None:
                     skip, skip_by = rule.skip, index
         if skip:
@@ -525,7 +547,8 @@ class QuantConfig:
                 raise ValueError(f"module {module_name!r}: {e} (transform and group_size come "
                                  f"from the config and its rules)") from None
         return LayerQConfig(bits=bits, group_size=group, rounding=rounding,
-                            transform=transform, backward_chunks=self.backward_chunks), None
+                            transform=transform, backward_chunks=self.backward_chunks,
+                            compressor=compressor, division_block=self.division_block), None
 
     def pinned_bits(self, module_name: str, module: object) -> Optional[int]:
         """The width a rule fixes for this module (the strongest matching rule with ``bits``),
@@ -566,6 +589,8 @@ def _validate_top(values: Dict[str, Any], where: _Where) -> Dict[str, Any]:
         "error_fraction": _check_error_fraction,
         "backward_chunks": _check_chunks,
         "transform": check_transform,
+        "compressor": check_compressor,
+        "division_block": check_block,
     }
     for key, check in checks.items():
         if key in out:

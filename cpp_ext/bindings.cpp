@@ -13,6 +13,10 @@
 
 namespace py = pybind11;
 
+namespace actnn_zoo {
+void register_division(pybind11::module_& m);  // division_cpu.cpp
+}  // namespace actnn_zoo
+
 namespace {
 
 void check_same_device(const at::Tensor& ref, const char* ref_name,
@@ -147,6 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU only: uint8 widths in {1, 2, 4, 8} minimising sum score / (2^b - 1)^2 with at most "
         "`extra` bits above 1 each (precision.solver.allocate_samples).");
   actnn_zoo::register_hadamard(m);
+  actnn_zoo::register_division(m);  // division_quantize, division_dequantize
 #ifdef ACTNN_ZOO_CUDA
   m.attr("has_cuda") = py::bool_(true);
 #else

@@ -9,7 +9,13 @@ estimators compared.
    off), ``--passes`` compressed backward passes per strategy against the exact fp32 gradient:
    the variance (mean squared deviation, summed over the conv / linear weights) and the mean
    cosine. AC-GC's average width is an outcome: the error fraction e whose average is closest
-   to 2 bits is picked from a scan and reported.
+   to 2 bits is picked from a scan and reported. ``division`` rows: uniform 2-bit residuals
+   under ``compressor: division`` (DIVISION's bf16 block means + per-map ranges) at blocks of
+   8 (every map of this CNN, 8x8 and 4x4, is then one block: no low part is stored) and 4.
+3. Per row also the saved-activation compression (what autograd and the capture store hold
+   after one training forward plus the loss, fp32 bytes over compressed bytes,
+   ``actnn_zoo.memory.compression_ratio``) and the median step time (forward + backward)
+   relative to uniform 2 bits, all rows timed round-robin in one process.
 
     .venv/bin/python scripts/bench_strategies.py [--quick]
 """
@@ -33,6 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import actnn_zoo as az  # noqa: E402
 from actnn_zoo.convert import precision_strategy  # noqa: E402
 from actnn_zoo.data import load_digits_data  # noqa: E402
+from actnn_zoo.memory import compression_ratio, interleaved_step_times  # noqa: E402
 from bench_precision import gradients, is_weight, train_fp32  # noqa: E402
 
 Setup = Optional[Callable[[nn.Module], None]]
@@ -62,8 +69,10 @@ def probed(base: nn.Module, x: Tensor, y: Tensor, estimator: str, repeats: int,
 
 
 def fidelity(base: nn.Module, cfg: dict, x: Tensor, y: Tensor, exact: Dict[str, Tensor],
-             passes: int, seed: int, setup: Setup = None) -> Tuple[float, float, float]:
-    """(weights' variance, mean cosine of the whole gradient, realised average bits)."""
+             passes: int, seed: int, setup: Setup = None
+             ) -> Tuple[float, float, float, nn.Module]:
+    """(weights' variance, mean cosine of the whole gradient, realised average bits, the
+    converted model)."""
     torch.manual_seed(seed)
     model = az.convert_model(copy.deepcopy(base), cfg)
     if setup is not None:
@@ -80,7 +89,7 @@ def fidelity(base: nn.Module, cfg: dict, x: Tensor, y: Tensor, exact: Dict[str, 
         cos += float(F.cosine_similarity(flat, flat_exact, dim=0)) / passes
     s = precision_strategy(model)
     bits = s.report()["average_bits"] if hasattr(s, "report") else _actnn_bits(s, cfg)
-    return var, cos, bits
+    return var, cos, bits, model
 
 
 def _actnn_bits(s, cfg: dict) -> float:
@@ -114,11 +123,28 @@ def main() -> None:
     if not args.fidelity_only:
         compare(base, x, y, repeats, args.seed)
     rows = fidelity_rows(base, x, y, exact, passes, args.seed)
+    ratio, speed = saved_and_speed(base, x, y, {k: r[3] for k, r in rows.items()},
+                                   6 if args.quick else 30)
     u = rows["uniform 2"][0]
-    print(f"   {'strategy':22s} {'avg bits':>8s} {'variance':>10s} {'/ uniform':>9s} "
-          f"{'cosine':>8s}")
-    for name, (v, c, b) in rows.items():
-        print(f"   {name:22s} {b:8.3f} {v:10.4g} {v / u:9.3f} {c:8.4f}")
+    print(f"   {'strategy':24s} {'avg bits':>8s} {'variance':>10s} {'/ uniform':>9s} "
+          f"{'cosine':>8s} {'saved x':>8s} {'step / uniform':>14s}")
+    for name, (v, c, b, _) in rows.items():
+        print(f"   {name:24s} {b:8.3f} {v:10.4g} {v / u:9.3f} {c:8.4f} {ratio[name]:8.2f} "
+              f"{speed[name]:14.3f}")
+    print(f"   (avg bits: the width the strategy chose; for division the residual's width. "
+          f"saved x: fp32 saved bytes / compressed, one forward + loss. step: median of the "
+          f"round-robin timings, machine shared)")
+
+
+def saved_and_speed(base: nn.Module, x: Tensor, y: Tensor, models: Dict[str, nn.Module],
+                    n: int) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Saved-activation compression vs fp32 and median step time relative to uniform 2."""
+    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    ratio = {k: compression_ratio(base, m, x, loss_fn=loss) for k, m in models.items()}
+    times = interleaved_step_times({k: (lambda m=m: gradients(m, x, y))
+                                    for k, m in models.items()}, n=n, warmup=2, rounds=3)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return ratio, {k: t / med["uniform 2"] for k, t in med.items()}
 
 
 def compare(base: nn.Module, x: Tensor, y: Tensor, repeats: int, seed: int) -> None:
@@ -139,10 +165,10 @@ def compare(base: nn.Module, x: Tensor, y: Tensor, repeats: int, seed: int) -> N
 
 
 def fidelity_rows(base: nn.Module, x: Tensor, y: Tensor, exact: Dict[str, Tensor],
-                  passes: int, seed: int) -> Dict[str, Tuple[float, float, float]]:
+                  passes: int, seed: int) -> Dict[str, Tuple[float, float, float, nn.Module]]:
     """Part 2: every strategy at (about) 2 bits on average."""
     print(f"\n2. gradient fidelity at a 2-bit average, {passes} passes each")
-    rows: Dict[str, Tuple[float, float, float]] = {}
+    rows: Dict[str, Tuple[float, float, float, nn.Module]] = {}
     common = {"bits": 2, "update_interval": 1000}
     rows["uniform 2"] = fidelity(base, {**common, "strategy": "uniform"}, x, y, exact, passes,
                                  seed + 2)
@@ -165,6 +191,10 @@ def fidelity_rows(base: nn.Module, x: Tensor, y: Tensor, exact: Dict[str, Tensor
     rows[f"acgc e={best:g}"] = fidelity(base, {"strategy": "acgc", "error_fraction": best,
                                                "update_interval": 2}, x, y, exact, passes,
                                         seed + 2)
+    for block in (8, 4):
+        rows[f"division 2 (B={block})"] = fidelity(
+            base, {**common, "strategy": "uniform", "compressor": "division",
+                   "division_block": block}, x, y, exact, passes, seed + 2)
     return rows
 
 

@@ -197,7 +197,7 @@ def test_chunked_backward_with_per_sample_widths(chunk_everything):
 def test_chunked_backward_decodes_one_chunk_at_a_time(name, chunk_everything, monkeypatch):
     """What lowers the peak: no decode of the whole saved input when chunks > 1."""
     calls = []
-    real_rows, real_whole = _saving.dequantize_rows, _saving.dequantize
+    real_rows, real_whole = _saving.dequantize_rows, _saving.decompress
 
     def rows(q, start, stop, *a, **k):
         calls.append(("rows", stop - start, q.shape[0]))
@@ -213,7 +213,7 @@ def test_chunked_backward_decodes_one_chunk_at_a_time(name, chunk_everything, mo
     import actnn_zoo.functional.norm as norm_f
     for mod in (act_f, conv_f, linear_f, norm_f):
         monkeypatch.setattr(mod, "dequantize_rows", rows)
-    monkeypatch.setattr(_saving, "dequantize", whole)
+    monkeypatch.setattr(_saving, "decompress", whole)  # what restore() decodes whole with
     build, shape = CASES[name]
     _grads(build(), torch.randn(shape), chunks=4)
     assert calls and all(kind == "rows" for kind, _, _ in calls), calls

@@ -165,7 +165,8 @@ def attach_capture(root: nn.Module, cfg: QuantConfig) -> None:
         return
     bits = cfg.layer_bits() if cfg.capture_bits is None else cfg.capture_bits
     qconfig = LayerQConfig(bits=bits, group_size=cfg.group_size, rounding=cfg.rounding,
-                           backward_chunks=cfg.backward_chunks)
+                           backward_chunks=cfg.backward_chunks, compressor=cfg.compressor,
+                           division_block=cfg.division_block)
     capture = Capture(qconfig)
     capture.attach(root)
     setattr(root, CAPTURE_ATTR, capture)

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from .._torch_private import tensor_base, tensor_version
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, dequantize, pack_mask, quantize, unpack_mask
+from ..quant import Bits, QuantizedTensor, pack_mask, quantize, unpack_mask
+from ..quant.division import Payload, decompress, uses_division
 from .session import current_observer
 
 __all__ = ["CompressedStore", "CaptureStats", "dense_order"]
@@ -108,14 +109,14 @@ class _Compressed:
 
     __slots__ = ("q", "perm")
 
-    def __init__(self, q: QuantizedTensor, perm: Tuple[int, ...]) -> None:
+    def __init__(self, q: Payload, perm: Tuple[int, ...]) -> None:
         self.q, self.perm = q, perm
 
     def tensors(self) -> Tuple[Tensor, ...]:
         return self.q.tensors()
 
     def restore(self) -> Tensor:
-        return dequantize(self.q).permute(_inverse(self.perm))
+        return decompress(self.q).permute(_inverse(self.perm))
 
 
 class _Mask:
@@ -163,18 +164,18 @@ class CompressedStore:
         self._skip = skip
         self._refresh = refresh
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
-        self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", QuantizedTensor]] = {}
+        self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
 
     # -- the one store ---------------------------------------------------------------------
     @_eager
     def compress(self, x: Tensor, bits: Bits, group_size: int, rounding: str,
                  owner: Optional[Tensor] = None, quantize_fn: Any = None,
-                 transform: str = "none") -> QuantizedTensor:
+                 kind: Any = "quant") -> Payload:
         """``quantize(x, ...)``, answered from the store when the same memory at the same
         version was already compressed with the same settings in this forward. ``owner``: the
         tensor object whose life keeps ``x``'s memory valid (default: ``x``'s base, else
-        ``x``). ``quantize_fn``: what quantizes (default :func:`actnn_zoo.quant.quantize`).
-        ``transform``: passed on (and part of the key) only when not 'none'."""
+        ``x``). ``quantize_fn``: what quantizes (default :func:`actnn_zoo.quant.quantize`);
+        ``kind`` names it in the key ('quant', or ('division', block))."""
         quantize_fn = quantize if quantize_fn is None else quantize_fn
         kw = {"rounding": rounding}
         if transform != "none":
@@ -182,7 +183,7 @@ class CompressedStore:
         if not isinstance(bits, int) or x.layout != torch.strided:
             return quantize_fn(x, bits, group_size, **kw)  # per-sample: not shared
         key = (_storage_ptr(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
-               tensor_version(x), bits, group_size, rounding, transform)
+               tensor_version(x), bits, group_size, rounding, kind)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None:
             self.stats.shared += 1
@@ -256,9 +257,24 @@ class CompressedStore:
             stats.compressed_bytes += t.numel()
             return _Mask(pack_mask(x), x.shape, perm)
         before = stats.shared
+        # DIVISION reads dims as (N, C, *spatial): only a tensor stored in that order qualifies
+        fn, kind = _plain, "quant"
+        if perm == tuple(range(t.dim())) and uses_division(x, self.qconfig.compressor):
+            fn, kind = _quantizer_for(x, self.qconfig)
         q = self.compress(x, self.qconfig.bits, self.qconfig.group_size, self.qconfig.rounding,
-                          owner=tensor_base(t) if tensor_base(t) is not None else t)
+                          owner=tensor_base(t) if tensor_base(t) is not None else t, quantize_fn=fn,
+                          kind=kind)
         if stats.shared == before:
             stats.compressed += 1
             stats.compressed_bytes += t.numel() * t.element_size()
         return _Compressed(q, perm)
+
+
+def _plain(x: Tensor, bits: Bits, group_size: int, rounding: str) -> QuantizedTensor:
+    return quantize(x, bits, group_size, rounding=rounding)
+
+
+def _quantizer_for(x: Tensor, qconfig: LayerQConfig):
+    from ..functional._saving import quantizer_for  # functional imports this module
+
+    return quantizer_for(x, qconfig)

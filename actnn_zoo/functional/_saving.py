@@ -1,6 +1,7 @@
 """Saving compressed tensors through ctx.save_for_backward and getting them back."""
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -9,13 +10,18 @@ from torch import Tensor
 from ..capture.session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, dequantize, dequantize_rows, quantize
+from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
+                              uses_division)
 
-Saved = Union[Tensor, QuantizedTensor, None]
+Saved = Union[Tensor, QuantizedTensor, DivisionTensor, None]
 
 
-def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None
-             ) -> QuantizedTensor:
+def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None) -> Payload:
     """Quantize ``x`` as ``qconfig`` says (``bits`` overrides its width, e.g. per-sample).
+
+    With ``qconfig.compressor == 'division'`` a tensor of 3 to 5 dims, read as (N, C,
+    *spatial), is stored as DIVISION's bf16 block means plus the residual at ``bits`` (a
+    :class:`~actnn_zoo.quant.division.DivisionTensor`); any other tensor is quantized as usual.
 
     Inside a converted model's training forward the capture session's store answers, so a
     tensor that several layers save is compressed once (``actnn_zoo.capture.store``).
@@ -26,13 +32,23 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None
     float64 is compressed at all). The store keys on the float64 tensor, so sharing still works.
     """
     b = qconfig.bits if bits is None else bits
+    fn, kind = quantizer_for(x, qconfig)
     session = active_session()
     if session is not None:
         return session.store.compress(x, b, qconfig.group_size, qconfig.rounding,
-                                      quantize_fn=_quantize_any_float,
-                                      transform=qconfig.transform)
-    return _quantize_any_float(x, b, qconfig.group_size, rounding=qconfig.rounding,
-                               transform=qconfig.transform)
+                                      quantize_fn=fn, kind=kind)
+    return fn(x, b, qconfig.group_size, rounding=qconfig.rounding)
+
+
+def quantizer_for(x: Tensor, qconfig: LayerQConfig):
+    """(the function that compresses ``x`` under ``qconfig``, a key naming it for the store)."""
+    if uses_division(x, qconfig.compressor):
+        block = qconfig.division_block
+        return functools.partial(_divide_any_float, block=block), ("division", block)
+    if qconfig.transform != "none":
+        return (functools.partial(_quantize_any_float, transform=qconfig.transform),
+                ("quant", qconfig.transform))
+    return _quantize_any_float, "quant"
 
 
 def _quantize_any_float(x: Tensor, bits: Bits, group_size: int, rounding: str,
@@ -43,14 +59,23 @@ def _quantize_any_float(x: Tensor, bits: Bits, group_size: int, rounding: str,
     return quantize(x, bits, group_size, rounding=rounding, transform=transform)
 
 
+def _divide_any_float(x: Tensor, bits: Bits, group_size: int, rounding: str, block: int
+                      ) -> DivisionTensor:
+    """``division_quantize`` (float64 through float32, as above); ``group_size`` is unused:
+    DIVISION's residual has one range per (sample, channel) map."""
+    if x.dtype == torch.float64:
+        x = x.float()
+    return division_quantize(x, bits, block, rounding=rounding)
+
+
 def save(ctx, *items: Saved) -> None:
     """Save plain tensors, QuantizedTensors and Nones, all through ``ctx.save_for_backward``."""
     tensors: List[Tensor] = []
     layout = []
     for item in items:
-        if isinstance(item, QuantizedTensor):
+        if isinstance(item, (QuantizedTensor, DivisionTensor)):
             ts = item.tensors()
-            layout.append(("q", len(ts), item.spec()))
+            layout.append(("q", len(ts), (type(item), item.spec())))
             tensors.extend(ts)
         elif item is None:
             layout.append(("none", 0, None))
@@ -72,7 +97,8 @@ def load(ctx) -> List[Saved]:
     i = 0
     for kind, count, spec in ctx._az_layout:
         if kind == "q":
-            out.append(QuantizedTensor.rebuild(spec, tuple(tensors[i:i + count])))
+            cls, inner = spec
+            out.append(cls.rebuild(inner, tuple(tensors[i:i + count])))
         elif kind == "t":
             out.append(tensors[i])
         else:
@@ -83,8 +109,8 @@ def load(ctx) -> List[Saved]:
 
 def restore(item: Saved) -> Optional[Tensor]:
     """Decompress a saved item (identity for plain tensors and None)."""
-    if isinstance(item, QuantizedTensor):
-        return dequantize(item)
+    if isinstance(item, (QuantizedTensor, DivisionTensor)):
+        return decompress(item)
     return item
 
 

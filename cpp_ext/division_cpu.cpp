@@ -1,0 +1,400 @@
+// DIVISION dual-precision compression of feature maps, CPU kernels and their Python bindings.
+//
+// The compiled twin of actnn_zoo/quant/division_reference.py (its docstring has the rules):
+// per (sample, channel) map, in one task and with the map in cache, block means in float64 ->
+// float32 -> bf16 (the low part), the residual x - low against the *stored* low part, its
+// float32 min / max, the map's (lo float32, step bf16), then codes with the contract's counter
+// hash, packed row by row (row n = sample n) at the row's width. Results are bit-identical to
+// the reference (the low part up to the order of a float64 sum, see the reference).
+//
+// Parallel over (sample, 8 consecutive maps): 8 maps of any size at any width in {1, 2, 4, 8}
+// end on a byte boundary, so no two tasks write the same byte.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace actnn_zoo {
+
+#ifdef ACTNN_ZOO_CUDA
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize_cuda(
+    const at::Tensor& x5, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t block, bool has_low, int64_t seed, bool stochastic);
+at::Tensor division_dequantize_cuda(const at::Tensor& data, const at::Tensor& low,
+                                    const at::Tensor& lo, const at::Tensor& step,
+                                    const at::Tensor& bits, const at::Tensor& offsets,
+                                    int64_t block, bool has_low, at::Tensor& out);
+#endif
+
+namespace {
+
+constexpr int64_t kMapsPerTask = 8;  // 8 maps end on a byte boundary at every width
+constexpr uint16_t kBf16NaN = 0x7FC0;
+constexpr float kMinStep = 0x1p-126f;
+constexpr uint16_t kMinStepBf16 = 0x0080;
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float bf16_value(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+// Smallest bf16 >= v (reference.round_up_bf16), by truncation plus one ulp of magnitude.
+inline uint16_t bf16_round_up(float v) {
+  const uint32_t u = float_bits(v);
+  const uint16_t hi = static_cast<uint16_t>(u >> 16);
+  return ((u & 0xFFFFu) != 0 && (u >> 31) == 0) ? static_cast<uint16_t>(hi + 1) : hi;
+}
+inline uint16_t bf16_next_up(uint16_t b) {
+  return (b & 0x8000u) ? static_cast<uint16_t>(b - 1) : static_cast<uint16_t>(b + 1);
+}
+// Round to nearest even, as torch's float32 -> bfloat16 conversion (NaN -> 0x7FC0).
+inline uint16_t bf16_from_float(float v) {
+  const uint32_t u = float_bits(v);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (v != v) ? kBf16NaN : static_cast<uint16_t>(r);
+}
+
+struct Geometry {
+  int64_t n, c, d1, d2, d3, s;  // s = d1 * d2 * d3 values per map
+  int64_t block, nb1, nb2, nb3, nblocks;
+  Geometry(at::IntArrayRef sizes, int64_t b)
+      : n(sizes[0]), c(sizes[1]), d1(sizes[2]), d2(sizes[3]), d3(sizes[4]),
+        s(sizes[2] * sizes[3] * sizes[4]), block(b), nb1((sizes[2] + b - 1) / b),
+        nb2((sizes[3] + b - 1) / b), nb3((sizes[4] + b - 1) / b), nblocks(nb1 * nb2 * nb3) {}
+  int64_t count(int64_t k1, int64_t k2, int64_t k3) const {
+    return std::min(block, d1 - k1 * block) * std::min(block, d2 - k2 * block) *
+           std::min(block, d3 - k3 * block);
+  }
+};
+
+// low[blocks] (float values of the stored bf16) for one map; writes the bf16 bits to low_out.
+template <typename T>
+void low_part(const T* x, const Geometry& g, std::vector<double>& sums, float* low_f,
+              uint16_t* low_out) {
+  std::fill(sums.begin(), sums.end(), 0.0);
+  for (int64_t i1 = 0; i1 < g.d1; ++i1) {
+    for (int64_t i2 = 0; i2 < g.d2; ++i2) {
+      const T* row = x + (i1 * g.d2 + i2) * g.d3;
+      double* acc = sums.data() + ((i1 / g.block) * g.nb2 + i2 / g.block) * g.nb3;
+      for (int64_t i3 = 0; i3 < g.d3; ++i3) acc[i3 / g.block] += static_cast<float>(row[i3]);
+    }
+  }
+  for (int64_t k1 = 0, k = 0; k1 < g.nb1; ++k1)
+    for (int64_t k2 = 0; k2 < g.nb2; ++k2)
+      for (int64_t k3 = 0; k3 < g.nb3; ++k3, ++k) {
+        const double mean = sums[k] / static_cast<double>(g.count(k1, k2, k3));
+        const uint16_t b = bf16_from_float(static_cast<float>(mean));
+        low_out[k] = b;
+        low_f[k] = bf16_value(b);
+      }
+}
+
+// r = x - low (or x) for one map into r; returns whether every value is finite, and min / max.
+template <typename T>
+bool residual(const T* x, const Geometry& g, bool has_low, const float* low_f, float* r,
+              float& mn, float& mx) {
+  bool finite = true;
+  mn = std::numeric_limits<float>::infinity();
+  mx = -mn;
+  int64_t e = 0;
+  for (int64_t i1 = 0; i1 < g.d1; ++i1) {
+    for (int64_t i2 = 0; i2 < g.d2; ++i2) {
+      const float* lrow = has_low ? low_f + ((i1 / g.block) * g.nb2 + i2 / g.block) * g.nb3
+                                  : nullptr;
+      for (int64_t i3 = 0; i3 < g.d3; ++i3, ++e) {
+        const float v = static_cast<float>(x[e]);
+        const float rv = has_low ? v - lrow[i3 / g.block] : v;
+        r[e] = rv;
+        finite = finite && std::isfinite(rv);
+        mn = std::min(mn, rv);
+        mx = std::max(mx, rv);
+      }
+    }
+  }
+  return finite;
+}
+
+// division_reference.map_metadata for one map.
+inline void map_meta(bool finite, float mn, float mx, float levels, float& lo, uint16_t& step) {
+  if (!finite) {
+    lo = std::numeric_limits<float>::quiet_NaN();
+    step = kBf16NaN;
+    return;
+  }
+  lo = mn;
+  uint16_t s = bf16_round_up((mx - lo) / levels);
+  for (int k = 0; k < 2; ++k) {
+    const float span = levels * bf16_value(s);
+    const float top = lo + span;
+    if (top < mx) s = bf16_next_up(s);
+  }
+  const float sf = bf16_value(s);
+  if (sf > 0.0f && sf < kMinStep) s = kMinStepBf16;
+  if (!std::isfinite(bf16_value(s))) {
+    lo = std::numeric_limits<float>::quiet_NaN();
+    s = kBf16NaN;
+  }
+  step = s;
+}
+
+template <typename T>
+void quantize_impl(const T* x, const Geometry& g, const uint8_t* bits, const int64_t* offsets,
+                   bool has_low, uint32_t key, bool stochastic, uint8_t* data, uint16_t* low,
+                   float* lo, uint16_t* step) {
+  const int64_t chunks = (g.c + kMapsPerTask - 1) / kMapsPerTask;
+  const int64_t d = g.c * g.s;
+  at::parallel_for(0, g.n * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> sums(has_low ? g.nblocks : 0);
+    std::vector<float> low_f(has_low ? g.nblocks : 0);
+    std::vector<float> r(g.s);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / chunks;
+      const int64_t c0 = (task % chunks) * kMapsPerTask;
+      const int64_t c1 = std::min(g.c, c0 + kMapsPerTask);
+      const int b = bits[n];
+      const float levels = static_cast<float>((1 << b) - 1);
+      uint8_t* row = data + offsets[n];
+      for (int64_t ch = c0; ch < c1; ++ch) {
+        const int64_t map = n * g.c + ch;
+        const T* xm = x + map * g.s;
+        if (has_low) low_part(xm, g, sums, low_f.data(), low + map * g.nblocks);
+        float mn, mx;
+        const bool finite = residual(xm, g, has_low, low_f.data(), r.data(), mn, mx);
+        float l;
+        uint16_t st;
+        map_meta(finite, mn, mx, levels, l, st);
+        lo[map] = l;
+        step[map] = st;
+        const float stf = bf16_value(st);
+        const float inv = stf > 0.0f ? 1.0f / stf : 0.0f;
+        const uint64_t base = static_cast<uint64_t>(n) * d + ch * g.s;
+        const int64_t bit0 = ch * g.s * b;
+        for (int64_t e = 0; e < g.s; ++e) {
+          float t = (r[e] - l) * inv;
+          t = t + (stochastic ? uniform_from_index(base + e, key) : 0.5f);
+          // floor, NaN -> 0, clamp to [0, levels]: clamp first, then truncate (= floor >= 0)
+          t = (t >= 0.0f) ? std::min(t, levels) : 0.0f;  // NaN compares false -> 0
+          const uint32_t q = static_cast<uint32_t>(t);
+          const int64_t pos = bit0 + e * b;
+          row[pos >> 3] |= static_cast<uint8_t>(q << (pos & 7));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void dequantize_impl(const uint8_t* data, const Geometry& g, const uint8_t* bits,
+                     const int64_t* offsets, bool has_low, const uint16_t* low, const float* lo,
+                     const uint16_t* step, T* out) {
+  const int64_t chunks = (g.c + kMapsPerTask - 1) / kMapsPerTask;
+  at::parallel_for(0, g.n * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / chunks;
+      const int64_t c0 = (task % chunks) * kMapsPerTask;
+      const int64_t c1 = std::min(g.c, c0 + kMapsPerTask);
+      const int b = bits[n];
+      const uint32_t mask = (1u << b) - 1u;
+      const uint8_t* row = data + offsets[n];
+      for (int64_t ch = c0; ch < c1; ++ch) {
+        const int64_t map = n * g.c + ch;
+        const float l = lo[map];
+        const float st = bf16_value(step[map]);
+        const uint16_t* lw = has_low ? low + map * g.nblocks : nullptr;
+        T* o = out + map * g.s;
+        const int64_t bit0 = ch * g.s * b;
+        int64_t e = 0;
+        for (int64_t i1 = 0; i1 < g.d1; ++i1) {
+          for (int64_t i2 = 0; i2 < g.d2; ++i2) {
+            const uint16_t* lrow =
+                has_low ? lw + ((i1 / g.block) * g.nb2 + i2 / g.block) * g.nb3 : nullptr;
+            for (int64_t i3 = 0; i3 < g.d3; ++i3, ++e) {
+              const int64_t pos = bit0 + e * b;
+              const float q = static_cast<float>((row[pos >> 3] >> (pos & 7)) & mask);
+              const float rv = q * st + l;
+              o[e] = static_cast<T>(has_low ? bf16_value(lrow[i3 / g.block]) + rv : rv);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n, int64_t d,
+                int64_t nbytes) {
+  TORCH_CHECK(bits.scalar_type() == at::kByte && bits.dim() == 1 && bits.size(0) == n &&
+                  bits.is_contiguous(),
+              "bits must be a contiguous (N,) uint8 tensor");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.size(0) == n + 1 && offsets.is_contiguous(),
+              "offsets must be a contiguous (N + 1,) int64 tensor");
+  const uint8_t* b = bits.data_ptr<uint8_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(b[i] == 1 || b[i] == 2 || b[i] == 4 || b[i] == 8, "bits[", i,
+                      "] must be 1, 2, 4 or 8, got ", int(b[i]));
+    TORCH_CHECK_VALUE(off[i] >= 0 && off[i] + (d * b[i] + 7) / 8 <= off[i + 1],
+                      "offsets do not fit the row widths at row ", i);
+  }
+  TORCH_CHECK_VALUE(off[n] <= nbytes, "offsets[N] (", off[n], ") exceeds the buffer (", nbytes,
+                    " bytes)");
+}
+
+void check_x5(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 5, name, " must be 5-d (N, C, D1, D2, D3), got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, name,
+              " must be float32, float16 or bfloat16, got ", st);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize_cpu(
+    const at::Tensor& x5, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t block, bool has_low, int64_t seed, bool stochastic) {
+  TORCH_CHECK(x5.device().is_cpu(), "x5 must be a CPU tensor");
+  check_x5(x5, "x5");
+  TORCH_CHECK_VALUE(block >= 1, "block must be >= 1, got ", block);
+  TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
+  const Geometry g(x5.sizes(), block);
+  check_rows(bits, offsets, g.n, g.c * g.s, total);
+  auto opts = x5.options();
+  at::Tensor data = at::zeros({total}, opts.dtype(at::kByte));
+  at::Tensor low = has_low ? at::empty({g.n, g.c, g.nb1, g.nb2, g.nb3}, opts.dtype(at::kBFloat16))
+                           : at::empty({0}, opts.dtype(at::kBFloat16));
+  at::Tensor lo = at::empty({g.n, g.c}, opts.dtype(at::kFloat));
+  at::Tensor step = at::empty({g.n, g.c}, opts.dtype(at::kBFloat16));
+  if (x5.numel() == 0) return {data, low, lo, step};
+  const uint32_t key = seed_key(static_cast<uint32_t>(seed));
+  uint16_t* low_p = has_low ? reinterpret_cast<uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* step_p = reinterpret_cast<uint16_t*>(step.data_ptr<at::BFloat16>());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    quantize_impl<T>(x5.data_ptr<T>(), g, bits.data_ptr<uint8_t>(), offsets.data_ptr<int64_t>(),
+                     has_low, key, stochastic, data.data_ptr<uint8_t>(), low_p,
+                     lo.data_ptr<float>(), step_p);
+  };
+  switch (x5.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: run(c10::BFloat16{}); break;
+  }
+  return {data, low, lo, step};
+}
+
+at::Tensor division_dequantize_cpu(const at::Tensor& data, const at::Tensor& low,
+                                   const at::Tensor& lo, const at::Tensor& step,
+                                   const at::Tensor& bits, const at::Tensor& offsets,
+                                   int64_t block, bool has_low, at::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu(), "out must be a CPU tensor");
+  check_x5(out, "out");
+  TORCH_CHECK_VALUE(block >= 1, "block must be >= 1, got ", block);
+  const Geometry g(out.sizes(), block);
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be uint8");
+  check_rows(bits, offsets, g.n, g.c * g.s, data.numel());
+  TORCH_CHECK(lo.scalar_type() == at::kFloat && lo.numel() == g.n * g.c && lo.is_contiguous(),
+              "lo must be a contiguous float32 (N, C) tensor");
+  TORCH_CHECK(step.scalar_type() == at::kBFloat16 && step.numel() == g.n * g.c &&
+                  step.is_contiguous(),
+              "step must be a contiguous bfloat16 (N, C) tensor");
+  if (has_low) {
+    TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.is_contiguous() &&
+                    low.numel() == g.n * g.c * g.nblocks,
+                "low must be a contiguous bfloat16 tensor of ", g.n * g.c * g.nblocks,
+                " block means");
+  }
+  if (out.numel() == 0) return out;
+  const uint16_t* low_p =
+      has_low ? reinterpret_cast<const uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* step_p = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    dequantize_impl<T>(data.data_ptr<uint8_t>(), g, bits.data_ptr<uint8_t>(),
+                       offsets.data_ptr<int64_t>(), has_low, low_p, lo.data_ptr<float>(),
+                       step_p, out.data_ptr<T>());
+  };
+  switch (out.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: run(c10::BFloat16{}); break;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bindings (called from bindings.cpp's module init, so that file needs one line for them)
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize(
+    const at::Tensor& x5, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t block, bool has_low, int64_t seed, bool stochastic) {
+  RECORD_USER_SCOPE("actnn_zoo::division_quantize");
+  TORCH_CHECK(bits.device() == x5.device() && offsets.device() == x5.device(),
+              "x5, bits and offsets must be on one device");
+  if (x5.device().is_cpu()) {
+    return division_quantize_cpu(x5, bits, offsets, total, block, has_low, seed, stochastic);
+  }
+#ifdef ACTNN_ZOO_CUDA
+  if (x5.is_cuda()) {
+    const c10::DeviceGuard guard(x5.device());
+    return division_quantize_cuda(x5, bits, offsets, total, block, has_low, seed, stochastic);
+  }
+#endif
+  TORCH_CHECK(false, "actnn_zoo._C.division_quantize: no kernel for tensors on ", x5.device());
+}
+
+at::Tensor division_dequantize(const at::Tensor& data, const at::Tensor& low,
+                               const at::Tensor& lo, const at::Tensor& step,
+                               const at::Tensor& bits, const at::Tensor& offsets, int64_t block,
+                               bool has_low, at::Tensor out) {
+  RECORD_USER_SCOPE("actnn_zoo::division_dequantize");
+  for (const at::Tensor* t : {&data, &lo, &step, &bits, &offsets}) {
+    TORCH_CHECK(t->device() == out.device(), "all tensors of one call must be on ",
+                out.device());
+  }
+  if (out.device().is_cpu()) {
+    return division_dequantize_cpu(data, low, lo, step, bits, offsets, block, has_low, out);
+  }
+#ifdef ACTNN_ZOO_CUDA
+  if (out.is_cuda()) {
+    const c10::DeviceGuard guard(out.device());
+    return division_dequantize_cuda(data, low, lo, step, bits, offsets, block, has_low, out);
+  }
+#endif
+  TORCH_CHECK(false, "actnn_zoo._C.division_dequantize: no kernel for tensors on ",
+              out.device());
+}
+
+}  // namespace
+
+void register_division(pybind11::module_& m) {
+  namespace py = pybind11;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("division_quantize", &division_quantize, nogil, py::arg("x5"), py::arg("bits"),
+        py::arg("offsets"), py::arg("total"), py::arg("block"), py::arg("has_low"),
+        py::arg("seed"), py::arg("stochastic"),
+        "DIVISION: (N, C, D1, D2, D3) contiguous float -> (codes uint8 [total], low bf16 "
+        "(N, C, nb1, nb2, nb3) or empty, lo float32 (N, C), step bf16 (N, C)).");
+  m.def("division_dequantize", &division_dequantize, nogil, py::arg("data"), py::arg("low"),
+        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("offsets"), py::arg("block"),
+        py::arg("has_low"), py::arg("out"),
+        "Writes low + (lo + q * step) (float32 arithmetic) into out (N, C, D1, D2, D3).");
+}
+
+}  // namespace actnn_zoo
