@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..capture.session import active_session
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, dequantize, dequantize_rows, quantize
+from ..quant import Bits, QuantizedTensor, dequantize_rows, quantize
 from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
                               uses_division)
 
