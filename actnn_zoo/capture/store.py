@@ -175,11 +175,10 @@ class CompressedStore:
         version was already compressed with the same settings in this forward. ``owner``: the
         tensor object whose life keeps ``x``'s memory valid (default: ``x``'s base, else
         ``x``). ``quantize_fn``: what quantizes (default :func:`actnn_zoo.quant.quantize`);
-        ``kind`` names it in the key ('quant', or ('division', block))."""
+        ``kind`` names it in the key ('quant', ('quant', transform) or ('division', block)),
+        so a tensor compressed two ways is never answered with the other way's payload."""
         quantize_fn = quantize if quantize_fn is None else quantize_fn
         kw = {"rounding": rounding}
-        if transform != "none":
-            kw["transform"] = transform
         if not isinstance(bits, int) or x.layout != torch.strided:
             return quantize_fn(x, bits, group_size, **kw)  # per-sample: not shared
         key = (_storage_ptr(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
