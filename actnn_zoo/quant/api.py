@@ -142,6 +142,17 @@ def _check_layout(row_bits: Tensor, offsets: Tensor, d: int, nbytes: int, what: 
                          f"buffer (debug check, {DEBUG_ENV})")
 
 
+def check_sample_bits(bits: Bits, validate: Optional[bool]) -> None:
+    """Debug check of :class:`SampleBits` (``validate`` / ``ACTNN_ZOO_DEBUG``): widths valid
+    and summing to at most ``max_sum`` (reads them back; a no-op for other ``bits``)."""
+    if isinstance(bits, SampleBits) and debug_checks(validate):
+        _check_widths(bits.bits, "SampleBits.bits")
+        used = int(bits.bits.long().sum())
+        if used > bits.max_sum:
+            raise ValueError(f"SampleBits.bits sums to {used}, more than max_sum="
+                             f"{bits.max_sum} (debug check, {DEBUG_ENV})")
+
+
 def _uniform_offsets(n: int, d: int, bits: int, device: torch.device) -> Tensor:
     """row_offsets for one width: (N + 1,) int64 multiples of the row size, as one arange (the
     general cumsum costs five small ops, a fixed cost every Q-layer paid twice per step)."""
@@ -189,12 +200,7 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
         rows = hadamard_(rows.to(torch.float32, memory_format=torch.contiguous_format,
                                  copy=True), group_size, seed)
     row_bits, uniform = _row_bits(bits, n, x.device)
-    if isinstance(bits, SampleBits) and debug_checks(validate):
-        _check_widths(bits.bits, "SampleBits.bits")
-        used = int(bits.bits.long().sum())
-        if used > bits.max_sum:
-            raise ValueError(f"SampleBits.bits sums to {used}, more than max_sum="
-                             f"{bits.max_sum} (debug check, {DEBUG_ENV})")
+    check_sample_bits(bits, validate)
     offsets = row_offsets(d, row_bits) if uniform is None else _uniform_offsets(n, d, uniform,
                                                                               x.device)
     g = -(-d // group_size)

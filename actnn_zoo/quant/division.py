@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from . import division_reference
-from .api import (SUPPORTED_DTYPES, Bits, SampleBits, _capacity, _check_widths, _row_bits,
-                  _uniform_offsets, debug_checks, DEBUG_ENV, draw_seed)
+from .api import (SUPPORTED_DTYPES, Bits, _capacity, _row_bits, _uniform_offsets,
+                  check_sample_bits, draw_seed)
 from .backend import kernels
 from .reference import row_offsets
 from .tensor import QuantizedTensor
@@ -171,12 +171,7 @@ def division_quantize(x: Tensor, bits: Bits = 2, block: int = DEFAULT_BLOCK,
     n = x.shape[0]
     d = x.shape[1:].numel()
     row_bits, uniform = _row_bits(bits, n, x.device)
-    if isinstance(bits, SampleBits) and debug_checks(validate):
-        _check_widths(bits.bits, "SampleBits.bits")
-        used = int(bits.bits.long().sum())
-        if used > bits.max_sum:
-            raise ValueError(f"SampleBits.bits sums to {used}, more than max_sum="
-                             f"{bits.max_sum} (debug check, {DEBUG_ENV})")
+    check_sample_bits(bits, validate)
     offsets = row_offsets(d, row_bits) if uniform is None \
         else _uniform_offsets(n, d, uniform, x.device)
     has_low = has_low_part(x.shape, block)
