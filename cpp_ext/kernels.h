@@ -37,10 +37,13 @@ AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
 // A positive step below 2^-126 (denormal) is raised to 2^-126 after the two corrections, so that
 // 1 / step stays finite (see reference.group_metadata).
 // Returns (data uint8 [total], lo bf16 (N, G), step bf16 (N, G)), G = ceil(D / group_size).
+// zero_exact: rows of >= 2 bits code each group whose minimum is 0 with an exact zero code
+// (reference.zero_exact_codes; its step is stored with the sign bit set).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic);
-// Writes lo + q * step (float32 arithmetic) into out (N, D), contiguous, any float dtype.
+    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact);
+// Writes q * step + lo (float32 arithmetic) into out (N, D), contiguous, any float dtype; in a
+// zero-exact group 0 for code 0 and (q - 1) * |step| + lo otherwise.
 at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                           const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                           at::Tensor& out);
@@ -58,13 +61,19 @@ at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel);
 // bit-identical to torch.where(mask, grad, 0 / grad * off) and grad * noise. Contiguous result.
 at::Tensor masked_grad_cpu(const at::Tensor& grad, const at::Tensor& packed,
                            std::optional<double> on, std::optional<double> off);
+// ReLU's backward from zero-exact codes (reference.masked_grad_codes): grad (N, D) contiguous
+// float32/float64/float16/bfloat16; where a zero-exact (or NaN-step) group's code is 0 the
+// result is +0.0, elsewhere grad, copied bit for bit.
+at::Tensor masked_grad_codes_cpu(const at::Tensor& grad, const at::Tensor& data,
+                                 const at::Tensor& step, const at::Tensor& bits,
+                                 const at::Tensor& offsets, int64_t group_size);
 at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size);
 at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra);
 
 #ifdef ACTNN_ZOO_CUDA
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic);
+    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact);
 at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                            const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                            at::Tensor& out);
@@ -72,6 +81,9 @@ at::Tensor pack_mask_cuda(const at::Tensor& mask);
 at::Tensor unpack_mask_cuda(const at::Tensor& packed, int64_t numel);
 at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
                             std::optional<double> on, std::optional<double> off);
+at::Tensor masked_grad_codes_cuda(const at::Tensor& grad, const at::Tensor& data,
+                                  const at::Tensor& step, const at::Tensor& bits,
+                                  const at::Tensor& offsets, int64_t group_size);
 #endif
 
 }  // namespace actnn_zoo

@@ -272,30 +272,63 @@ AZ_INLINE const float* padded_block(const T* x, int n, int n16, float* __restric
   return buf;
 }
 
+// The smallest positive value of n floats (INFINITY when none; NaN is never selected).
+AZ_INLINE float positive_min(const float* __restrict v, int n, float pm) {
+#pragma omp simd reduction(min : pm)
+  for (int k = 0; k < n; ++k) {
+    const float a = v[k] > 0.0f ? v[k] : INFINITY;
+    pm = a < pm ? a : pm;
+  }
+  return pm;
+}
+
 // One group of len values (len > 0) at element index i0; writes ceil(len * B / 8) bytes.
+// `zero`: a group whose minimum is 0 gets the zero-exact levels of
+// reference.zero_exact_codes (step stored with its sign bit set), a bad group codes x != 0.
 template <typename T, int B, bool kStochastic>
 void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
-                    uint16_t* lo_out, uint16_t* step_out) {
+                    uint16_t* lo_out, uint16_t* step_out, bool zero) {
   alignas(64) float buf[kBlock];
-  // Pass 1: the range.
+  const bool zmode = zero && B >= 2;
+  // Pass 1: the range (and the smallest positive value for zero-exact groups).
   Range r;
+  float pmin = INFINITY;
   for (int64_t e = 0; e < len; e += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
     const int n16 = (n + 15) & ~15;
-    range_update(padded_block(x + e, n, n16, buf), n16, r);
+    const float* v = padded_block(x + e, n, n16, buf);
+    range_update(v, n16, r);
+    if (zmode) pmin = positive_min(v, n16, pmin);
   }
   constexpr float kLevels = static_cast<float>((1 << B) - 1);
-  const GroupMeta meta = group_meta(r.mn, r.mx, r.bad == 0.0f, kLevels);
+  GroupMeta meta = group_meta(r.mn, r.mx, r.bad == 0.0f, kLevels);
+  float levels = kLevels;
+  const bool zg = zmode && !meta.bad && r.mn == 0.0f;
+  if (zg) {
+    levels = kLevels - 1.0f;
+    meta = group_meta(r.mx > 0.0f ? pmin : 0.0f, r.mx, true, levels);
+  }
   *lo_out = meta.lo;
-  *step_out = meta.step;
+  *step_out = (zg && !meta.bad) ? static_cast<uint16_t>(meta.step | 0x8000u) : meta.step;
+  alignas(64) int32_t codes32[kBlock];
+  alignas(64) uint8_t codes[kBlock + 8];
   if (meta.bad) {
-    std::memset(out, 0, static_cast<size_t>(row_bytes(len, B)));
+    if (!zmode) {
+      std::memset(out, 0, static_cast<size_t>(row_bytes(len, B)));
+      return;
+    }
+    for (int64_t e = 0; e < len; e += kBlock) {  // zero-exact: code 0 exactly at zeros
+      const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
+      const int n16 = (n + 15) & ~15;
+      const float* v = padded_block(x + e, n, n16, buf);
+      for (int k = 0; k < n16; ++k) codes[k] = v[k] != 0.0f ? 1 : 0;
+      std::memset(codes + n, 0, 8);
+      pack_block<B>(codes, (n * B + 7) / 8, out + e * B / 8);
+    }
     return;
   }
 
   // Pass 2 (the group is in cache now): codes from the stored bf16 values, block by block.
-  alignas(64) int32_t codes32[kBlock];
-  alignas(64) uint8_t codes[kBlock + 8];
   const float lo = bf16_value(meta.lo);
   const float step = bf16_value(meta.step);
   const float inv = step > 0.0f ? 1.0f / step : 0.0f;
@@ -303,10 +336,16 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
     const int n16 = (n + 15) & ~15;
     const float* v = padded_block(x + e, n, n16, buf);
-    code_block<kStochastic>(v, n16, lo, inv, kLevels, i0 + static_cast<uint64_t>(e), key,
+    code_block<kStochastic>(v, n16, lo, inv, levels, i0 + static_cast<uint64_t>(e), key,
                             codes32);
+    if (zg) {
 #pragma omp simd
-    for (int k = 0; k < n16; ++k) codes[k] = static_cast<uint8_t>(codes32[k]);
+      for (int k = 0; k < n16; ++k)
+        codes[k] = v[k] == 0.0f ? 0 : static_cast<uint8_t>(codes32[k] + 1);
+    } else {
+#pragma omp simd
+      for (int k = 0; k < n16; ++k) codes[k] = static_cast<uint8_t>(codes32[k]);
+    }
     // A row's last group may end inside a byte: its unused high bits are 0.
     std::memset(codes + n, 0, 8);
     pack_block<B>(codes, (n * B + 7) / 8, out + e * B / 8);
@@ -315,12 +354,12 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
 
 template <typename T, bool kStochastic>
 void quantize_group_any(int b, const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
-                        uint16_t* lo, uint16_t* step) {
+                        uint16_t* lo, uint16_t* step, bool zero) {
   switch (b) {
-    case 1: quantize_group<T, 1, kStochastic>(x, len, i0, key, out, lo, step); break;
-    case 2: quantize_group<T, 2, kStochastic>(x, len, i0, key, out, lo, step); break;
-    case 4: quantize_group<T, 4, kStochastic>(x, len, i0, key, out, lo, step); break;
-    default: quantize_group<T, 8, kStochastic>(x, len, i0, key, out, lo, step); break;
+    case 1: quantize_group<T, 1, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
+    case 2: quantize_group<T, 2, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
+    case 4: quantize_group<T, 4, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
+    default: quantize_group<T, 8, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
   }
 }
 
@@ -352,7 +391,7 @@ void parallel_tasks(int64_t total, int64_t grain, const F& f) {
 template <typename T, bool kStochastic>
 void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, const uint8_t* bits,
                    const int64_t* offsets, uint32_t key, uint8_t* data, uint16_t* lo,
-                   uint16_t* step) {
+                   uint16_t* step, bool zero) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   parallel_tasks(n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
     for (int64_t id = begin; id < end; ++id) {
@@ -363,7 +402,7 @@ void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, co
       const int64_t len = std::min(group_size, d - start);
       quantize_group_any<T, kStochastic>(
           b, x + n * d + start, len, static_cast<uint64_t>(n * d + start), key,
-          data + offsets[n] + start * b / 8, lo + id, step + id);
+          data + offsets[n] + start * b / 8, lo + id, step + id, zero);
     }
   });
 }
@@ -445,8 +484,48 @@ void dequantize_group(const uint8_t* in, int64_t len, float lo, float step, TO* 
   }
 }
 
+// A zero-exact group (reference.dequantize): code 0 -> 0, code q -> (q - 1) * step + lo.
+template <int B, typename TO>
+void dequantize_group_zero(const uint8_t* in, int64_t len, float lo, float step, TO* out) {
+  alignas(64) float q[16];
+  alignas(64) float v[16];
+  for (int64_t e = 0; e < len; e += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - e));
+    if (n == 16) {
+      dequantize_unit<B>(in + e * B / 8, 0.0f, 1.0f, q);  // the codes as floats, exactly
+    } else {
+      alignas(16) uint8_t packed[16] = {0};
+      std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(n, B)));
+      dequantize_unit<B>(packed, 0.0f, 1.0f, q);
+    }
+#pragma omp simd
+    for (int k = 0; k < 16; ++k) {
+      const float s = (q[k] - 1.0f) * step;
+      v[k] = q[k] == 0.0f ? 0.0f : s + lo;
+    }
+    store_block(v, n, out + e);
+  }
+}
+
+// Zero-exact groups carry their step with the sign bit set (NaN never does).
+inline bool is_zero_group(uint16_t step_bits) {
+  return (step_bits & 0x8000u) != 0 && (step_bits & 0x7FFFu) <= 0x7F80u;
+}
+
 template <typename TO>
-void dequantize_group_any(int b, const uint8_t* in, int64_t len, float lo, float step, TO* out) {
+void dequantize_group_any(int b, const uint8_t* in, int64_t len, float lo, uint16_t step_bits,
+                          TO* out) {
+  if (is_zero_group(step_bits)) {
+    const float s = bf16_value(static_cast<uint16_t>(step_bits & 0x7FFFu));
+    switch (b) {
+      case 1: dequantize_group_zero<1, TO>(in, len, lo, s, out); break;
+      case 2: dequantize_group_zero<2, TO>(in, len, lo, s, out); break;
+      case 4: dequantize_group_zero<4, TO>(in, len, lo, s, out); break;
+      default: dequantize_group_zero<8, TO>(in, len, lo, s, out); break;
+    }
+    return;
+  }
+  const float step = bf16_value(step_bits);
   switch (b) {
     case 1: dequantize_group<1, TO>(in, len, lo, step, out); break;
     case 2: dequantize_group<2, TO>(in, len, lo, step, out); break;
@@ -468,7 +547,7 @@ void dequantize_impl(const uint8_t* data, const uint16_t* lo, const uint16_t* st
       const int64_t start = g * group_size;
       const int64_t len = std::min(group_size, d - start);
       dequantize_group_any<TO>(b, data + offsets[n] + start * b / 8, len, bf16_value(lo[id]),
-                               bf16_value(step[id]), out + n * d + start);
+                               step[id], out + n * d + start);
     }
   });
 }
@@ -561,7 +640,7 @@ bool is_float_type(at::ScalarType t) {
 // ---------------------------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic) {
+    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact) {
   check_cpu(x2d, "x2d");
   TORCH_CHECK(is_float_type(x2d.scalar_type()),
               "x2d must be float32, float16 or bfloat16, got ", x2d.scalar_type());
@@ -598,9 +677,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     using T = decltype(tag);
     const T* x = x2d.data_ptr<T>();
     if (stochastic) {
-      quantize_impl<T, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p);
+      quantize_impl<T, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
+                             zero_exact);
     } else {
-      quantize_impl<T, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p);
+      quantize_impl<T, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
+                              zero_exact);
     }
   };
   switch (x2d.scalar_type()) {
@@ -895,6 +976,87 @@ at::Tensor masked_grad_cpu(const at::Tensor& grad, const at::Tensor& packed,
                                                  static_cast<float>(off_v),
                                                  out.data_ptr<c10::BFloat16>());
       break;
+  }
+  return out;
+}
+
+namespace {
+// Elements are copied as bit patterns of their size: a kept gradient exactly, a dropped one as
+// +0.0 (all bits clear in every float format).
+template <int B, typename W>
+void codes_select_group(const uint8_t* in, int64_t len, const W* g, W* out) {
+  alignas(64) float q[16];
+  for (int64_t e = 0; e < len; e += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - e));
+    if (n == 16) {
+      dequantize_unit<B>(in + e * B / 8, 0.0f, 1.0f, q);
+    } else {
+      alignas(16) uint8_t packed[16] = {0};
+      std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(n, B)));
+      dequantize_unit<B>(packed, 0.0f, 1.0f, q);
+    }
+    for (int k = 0; k < n; ++k) out[e + k] = q[k] != 0.0f ? g[e + k] : W{0};
+  }
+}
+}  // namespace
+
+at::Tensor masked_grad_codes_cpu(const at::Tensor& grad, const at::Tensor& data,
+                                 const at::Tensor& step, const at::Tensor& bits,
+                                 const at::Tensor& offsets, int64_t group_size) {
+  check_cpu(grad, "grad");
+  check_cpu(data, "data");
+  check_cpu(step, "step");
+  const at::ScalarType t = grad.scalar_type();
+  TORCH_CHECK(is_float_type(t) || t == at::kDouble,
+              "grad must be float32, float64, float16 or bfloat16, got ", t);
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (N, D) tensor");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
+              "data must be a contiguous 1-d uint8 tensor");
+  check_group_size(group_size);
+  const int64_t n_rows = grad.size(0), d = grad.size(1);
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  TORCH_CHECK(step.scalar_type() == at::kBFloat16 && step.dim() == 2 && step.size(0) == n_rows &&
+              step.size(1) == g_per_row && step.is_contiguous(),
+              "step must be a contiguous bfloat16 (", n_rows, ", ", g_per_row, ") tensor, got ",
+              step.scalar_type(), " ", step.sizes());
+  check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
+  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  if (n_rows == 0 || d == 0) return out;
+  advise_huge_pages(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
+  const uint8_t* in = data.data_ptr<uint8_t>();
+  const uint16_t* st = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
+  const uint8_t* bw = bits.data_ptr<uint8_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  auto run = [&](auto tag) {
+    using W = decltype(tag);
+    const W* g = static_cast<const W*>(grad.data_ptr());
+    W* o = static_cast<W*>(out.data_ptr());
+    parallel_tasks(n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
+      for (int64_t id = begin; id < end; ++id) {
+        const int64_t n = id / g_per_row;
+        const int64_t start = (id - n * g_per_row) * group_size;
+        const int64_t len = std::min(group_size, d - start);
+        const W* gs = g + n * d + start;
+        W* os = o + n * d + start;
+        const uint16_t sb = st[id];
+        if (!(is_zero_group(sb) || (sb & 0x7FFFu) > 0x7F80u)) {  // plain group: no zeros
+          std::memcpy(os, gs, static_cast<size_t>(len) * sizeof(W));
+          continue;
+        }
+        const uint8_t* src = in + off[n] + start * bw[n] / 8;
+        switch (bw[n]) {
+          case 1: codes_select_group<1, W>(src, len, gs, os); break;
+          case 2: codes_select_group<2, W>(src, len, gs, os); break;
+          case 4: codes_select_group<4, W>(src, len, gs, os); break;
+          default: codes_select_group<8, W>(src, len, gs, os); break;
+        }
+      }
+    });
+  };
+  switch (grad.element_size()) {
+    case 2: run(uint16_t{}); break;
+    case 4: run(uint32_t{}); break;
+    default: run(uint64_t{}); break;
   }
   return out;
 }

@@ -166,6 +166,7 @@ __device__ __forceinline__ void load_octet(const T* __restrict__ x, int64_t e, i
 struct Range {
   float mn, mx;
   bool nonfinite;
+  float pmin;  // smallest positive value (zero-exact groups), +Inf when none
 };
 
 // min/max that order -0.0 below +0.0, so that they are commutative and the result does not depend
@@ -186,6 +187,7 @@ __device__ __forceinline__ void range_add(Range& r, const float v[8], int c) {
       r.nonfinite |= !is_finite_f32(v[j]);
       r.mn = min_ordered(v[j], r.mn);
       r.mx = max_ordered(v[j], r.mx);
+      r.pmin = v[j] > 0.0f ? fminf(v[j], r.pmin) : r.pmin;
     }
   }
 }
@@ -196,6 +198,7 @@ __device__ __forceinline__ void range_reduce(Range& r, int lpg) {
     r.mn = min_ordered(__shfl_xor_sync(kFullMask, r.mn, off), r.mn);
     r.mx = max_ordered(__shfl_xor_sync(kFullMask, r.mx, off), r.mx);
     r.nonfinite |= (__shfl_xor_sync(kFullMask, static_cast<int>(r.nonfinite), off) != 0);
+    r.pmin = fminf(__shfl_xor_sync(kFullMask, r.pmin, off), r.pmin);
   }
 }
 
@@ -238,15 +241,27 @@ __device__ __forceinline__ uint32_t code_of(float x, const Meta& m, float u) {
   return static_cast<uint32_t>(q);
 }
 
+// How a group is coded: plain; zero-exact (reference.zero_exact_codes: 0 at zeros, else
+// 1 + the code among the positive levels); bad under zero_exact (x != 0).
+enum CodeMode { kPlain = 0, kZeroGroup = 1, kZeroBad = 2 };
+
 // Codes of one octet (c values) packed LSB-first into the low 8*b bits of a word.
 __device__ __forceinline__ uint64_t pack_octet(const float v[8], int c, const Meta& m, int b,
-                                               int64_t index0, uint32_t key, bool stochastic) {
+                                               int64_t index0, uint32_t key, bool stochastic,
+                                               int mode) {
   uint64_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j < c) {
-      const float u = stochastic ? uniform_from_index(static_cast<uint64_t>(index0 + j), key) : 0.5f;
-      word |= static_cast<uint64_t>(code_of(v[j], m, u)) << (j * b);
+      uint32_t q;
+      if (mode == kZeroBad) {
+        q = v[j] != 0.0f ? 1u : 0u;
+      } else {
+        const float u = stochastic ? uniform_from_index(static_cast<uint64_t>(index0 + j), key) : 0.5f;
+        q = code_of(v[j], m, u);
+        if (mode == kZeroGroup) q = v[j] == 0.0f ? 0u : q + 1u;
+      }
+      word |= static_cast<uint64_t>(q) << (j * b);
     }
   }
   return word;
@@ -287,6 +302,7 @@ struct QuantArgs {
   uint32_t key;
   int lpg_log2;            // lanes per group = 1 << lpg_log2, in [0, 5]
   bool stochastic;
+  bool zero;               // zero_exact (rows of >= 2 bits)
   bool vec;                // rows start 16-byte aligned and D % 8 == 0: vector loads
 };
 
@@ -317,7 +333,8 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
     }
     const int64_t first = n * a.D + g * a.group_size;  // flat index of the group's first value
 
-    Range r{__uint_as_float(0x7F800000u), __uint_as_float(0xFF800000u), false};
+    Range r{__uint_as_float(0x7F800000u), __uint_as_float(0xFF800000u), false,
+            __uint_as_float(0x7F800000u)};
     float v[NOCT > 0 ? NOCT : 1][8];
     if constexpr (NOCT > 0) {
 #pragma unroll
@@ -338,10 +355,23 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
     if (!active) continue;  // only in a warp's last iteration; no shuffle follows
 
     const float lv = static_cast<float>((1u << min(b, 31)) - 1u);
-    const Meta m = group_meta(r, lv);
+    Meta m = group_meta(r, lv);
+    int mode = kPlain;
+    uint16_t step_bits = m.step_bits;
+    if (a.zero && b >= 2 && valid_width(b)) {
+      if (m.step_bits == kBf16NaN) {
+        mode = kZeroBad;
+      } else if (r.mn == 0.0f) {
+        const Range rz{r.mx > 0.0f ? r.pmin : 0.0f, r.mx, false, 0.0f};
+        m = group_meta(rz, lv - 1.0f);
+        mode = m.step_bits == kBf16NaN ? kZeroBad : kZeroGroup;
+        step_bits = m.step_bits == kBf16NaN ? kBf16NaN
+                                            : static_cast<uint16_t>(m.step_bits | 0x8000u);
+      }
+    }
     if (sl == 0) {
       a.lo[p] = m.lo_bits;
-      a.step[p] = m.step_bits;
+      a.step[p] = step_bits;
     }
     if (valid_width(b)) {  // the reference packs nothing for a row of another width
       // Byte of value (g * group_size + e) of row n: offsets[n] + (g * group_size + e) / 8 * b.
@@ -352,7 +382,7 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
           const int64_t e = 8 * (static_cast<int64_t>(sl) + static_cast<int64_t>(k) * lpg);
           if (e < glen) {
             const int c = static_cast<int>(min(static_cast<int64_t>(8), glen - e));
-            const uint64_t word = pack_octet(v[k], c, m, b, first + e, a.key, a.stochastic);
+            const uint64_t word = pack_octet(v[k], c, m, b, first + e, a.key, a.stochastic, mode);
             store_bytes(a.data, a.total, group_byte + (e >> 3) * b, word, (c * b + 7) >> 3, b);
           }
         }
@@ -360,7 +390,7 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
         for (int64_t e = 8 * static_cast<int64_t>(sl); e < glen; e += 8 * static_cast<int64_t>(lpg)) {
           const int c = static_cast<int>(min(static_cast<int64_t>(8), glen - e));
           load_octet(x, first + e, c, a.vec, v[0]);
-          const uint64_t word = pack_octet(v[0], c, m, b, first + e, a.key, a.stochastic);
+          const uint64_t word = pack_octet(v[0], c, m, b, first + e, a.key, a.stochastic, mode);
           store_bytes(a.data, a.total, group_byte + (e >> 3) * b, word, (c * b + 7) >> 3, b);
         }
       }
@@ -441,6 +471,11 @@ struct St<c10::BFloat16> {
   }
 };
 
+// Zero-exact groups carry their step with the sign bit set (NaN never does).
+__device__ __forceinline__ bool is_zero_group(uint16_t st) {
+  return (st & 0x8000u) != 0 && (st & 0x7FFFu) <= 0x7F80u;
+}
+
 struct DequantArgs {
   const uint8_t* data;
   const uint16_t* lo;
@@ -486,7 +521,9 @@ dequantize_kernel(const DequantArgs a, T* __restrict__ out) {
     const int c = static_cast<int>(min(static_cast<int64_t>(8), a.D - e));
     const int64_t gi = n * a.G + e / a.group_size;      // an octet never straddles two groups
     const float lo = bf16_to_f32(a.lo[gi]);
-    const float st = bf16_to_f32(a.step[gi]);
+    const uint16_t st_bits = a.step[gi];
+    const bool zero = is_zero_group(st_bits);  // zero-exact: code 0 -> 0, q -> (q - 1)|s| + lo
+    const float st = bf16_to_f32(zero ? static_cast<uint16_t>(st_bits & 0x7FFFu) : st_bits);
     const int b = a.bits[n];
     uint64_t word = 0;  // a row of another width has code 0 everywhere (as in the reference)
     int w = 0;
@@ -499,7 +536,11 @@ dequantize_kernel(const DequantArgs a, T* __restrict__ out) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float q = static_cast<float>(static_cast<uint32_t>(word >> (j * w)) & mask);
-      r[j] = __fadd_rn(__fmul_rn(q, st), lo);
+      if (zero) {
+        r[j] = q == 0.0f ? 0.0f : __fadd_rn(__fmul_rn(__fsub_rn(q, 1.0f), st), lo);
+      } else {
+        r[j] = __fadd_rn(__fmul_rn(q, st), lo);
+      }
     }
     T* dst = out + n * a.D + e;
     if (a.vec && c == 8) {
@@ -509,6 +550,37 @@ dequantize_kernel(const DequantArgs a, T* __restrict__ out) {
       for (int j = 0; j < 8; ++j) {
         if (j < c) put(dst + j, r[j]);
       }
+    }
+  }
+}
+
+// ReLU's backward from zero-exact codes, one octet per thread (reference.masked_grad_codes):
+// elements move as bit patterns W of their size; +0.0 where a zero-exact (or NaN-step) group's
+// code is 0.
+template <typename W>
+__global__ void __launch_bounds__(kThreads)
+masked_grad_codes_kernel(const DequantArgs a, const W* __restrict__ grad, W* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < a.work;
+       t += stride) {
+    const int64_t n = t / a.octets_per_row;
+    const int64_t e = 8 * (t - n * a.octets_per_row);
+    const int c = static_cast<int>(min(static_cast<int64_t>(8), a.D - e));
+    const int64_t gi = n * a.G + e / a.group_size;
+    const uint16_t st = a.step[gi];
+    const bool coded = is_zero_group(st) || (st & 0x7FFFu) > 0x7F80u;
+    const int b = a.bits[n];
+    uint64_t word = ~uint64_t{0};  // plain groups hold no zeros: keep everything
+    int w = 1;
+    if (coded && valid_width(b)) {
+      w = b;
+      word = load_bytes(a.data, a.data_len, a.offsets[n] + (e >> 3) * b, (c * b + 7) >> 3, b);
+    }
+    const uint32_t mask = (1u << w) - 1u;
+    const int64_t base = n * a.D + e;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < c) out[base + j] = ((word >> (j * w)) & mask) != 0 ? grad[base + j] : W{0};
     }
   }
 }
@@ -653,7 +725,7 @@ void launch_quantize(const T* x, const QuantArgs& a, cudaStream_t stream) {
 // packs nothing (codes 0), like the reference.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic) {
+    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact) {
   constexpr const char* fn = "quantize_cuda";
   TORCH_CHECK(x2d.is_cuda(), fn, ": x2d must be a CUDA tensor, got ", x2d.device());
   TORCH_CHECK(x2d.dim() == 2, fn, ": x2d must be 2-d (N, D), got shape ", x2d.sizes());
@@ -699,6 +771,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
   a.key = seed_key(static_cast<uint32_t>(seed));
   a.lpg_log2 = lpg_log2;
   a.stochastic = stochastic;
+  a.zero = zero_exact;
   a.vec = (D % 8 == 0) && aligned16(x2d.data_ptr());
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -838,6 +911,68 @@ at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
           grad.data_ptr<T>(), p, n, on_pass, static_cast<float>(on_v), off_zero,
           static_cast<float>(off_v), out.data_ptr<T>());
     });
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor masked_grad_codes_cuda(const at::Tensor& grad, const at::Tensor& data,
+                                  const at::Tensor& step, const at::Tensor& bits,
+                                  const at::Tensor& offsets, int64_t group_size) {
+  constexpr const char* fn = "masked_grad_codes_cuda";
+  TORCH_CHECK(grad.is_cuda(), fn, ": grad must be a CUDA tensor, got ", grad.device());
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), fn,
+              ": grad must be a contiguous (N, D) tensor");
+  const at::ScalarType t = grad.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, fn,
+              ": grad must be float32, float64, float16 or bfloat16, got ", t);
+  check_on(data, grad, fn, "data");
+  check_on(step, grad, fn, "step");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1, fn,
+              ": data must be a 1-d uint8 tensor");
+  check_group_size(fn, group_size);
+  const int64_t N = grad.size(0), D = grad.size(1);
+  const int64_t G = groups_per_row(D, group_size);
+  check_rows(fn, grad, bits, offsets, N);
+  TORCH_CHECK(step.scalar_type() == at::kBFloat16 && step.dim() == 2 && step.size(0) == N &&
+              step.size(1) == G, fn, ": step must be bfloat16 of shape (", N, ", ", G, ")");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  const int64_t octets_per_row = (D + 7) / 8;
+  const int64_t work = N * octets_per_row;
+  if (work == 0) return out;
+  const at::Tensor data_c = data.contiguous();
+  const at::Tensor step_c = step.contiguous();
+  const at::Tensor bits_c = bits.contiguous();
+  const at::Tensor offsets_c = offsets.contiguous();
+  DequantArgs a;
+  a.data = data_c.data_ptr<uint8_t>();
+  a.lo = nullptr;
+  a.step = reinterpret_cast<const uint16_t*>(step_c.data_ptr<at::BFloat16>());
+  a.bits = bits_c.data_ptr<uint8_t>();
+  a.offsets = offsets_c.data_ptr<int64_t>();
+  a.data_len = data_c.numel();
+  a.D = D;
+  a.G = G;
+  a.group_size = group_size;
+  a.octets_per_row = octets_per_row;
+  a.work = work;
+  a.vec = false;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const unsigned grid = grid_for(work, kThreads);
+  switch (grad.element_size()) {
+    case 2:
+      masked_grad_codes_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
+          a, static_cast<const uint16_t*>(grad.data_ptr()), static_cast<uint16_t*>(out.data_ptr()));
+      break;
+    case 4:
+      masked_grad_codes_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(
+          a, static_cast<const uint32_t*>(grad.data_ptr()), static_cast<uint32_t*>(out.data_ptr()));
+      break;
+    default:
+      masked_grad_codes_kernel<uint64_t><<<grid, kThreads, 0, stream>>>(
+          a, static_cast<const uint64_t*>(grad.data_ptr()), static_cast<uint64_t*>(out.data_ptr()));
+      break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

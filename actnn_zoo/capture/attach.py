@@ -76,6 +76,7 @@ class CaptureSession:
             raise
 
     def close(self) -> None:
+        self.store.finish()
         try:
             self._hooks.__exit__(None, None, None)
         finally:

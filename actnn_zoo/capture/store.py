@@ -23,6 +23,7 @@ the payloads autograd holds remain.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -32,11 +33,11 @@ from torch import Tensor
 
 from .._torch_private import tensor_base, tensor_version
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, pack_mask, quantize, unpack_mask
+from ..quant import Bits, QuantizedTensor, SampleBits, pack_mask, quantize, unpack_mask
 from ..quant.division import Payload, decompress, uses_division
 from .session import current_observer
 
-__all__ = ["CompressedStore", "CaptureStats", "dense_order"]
+__all__ = ["CompressedStore", "CaptureStats", "ZeroCodeSlot", "ZeroCodeClaim", "dense_order"]
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -82,6 +83,100 @@ class CaptureStats:
             lines.append(f"left as saved ({reason}): {count} tensors, "
                          f"{nbytes / 2 ** 20:.2f} MiB")
         return "\n".join(lines)
+
+
+def _memory_key(x: Tensor) -> tuple:
+    """The memory ``x`` views, at its current version (see :class:`CompressedStore`)."""
+    return (_storage_ptr(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
+            tensor_version(x))
+
+
+class ZeroCodeSlot:
+    """What a ReLU module learned about the consumer of its output: whether it compresses it.
+
+    ReLU's mask (1 bit per value) is redundant when the next layer compresses the same output
+    anyway (a conv, a linear): with zero-exact codes (``quantize(..., zero_exact=True)``) the
+    consumer's payload says exactly where the output was positive, so ReLU reads its backward
+    from those codes and saves nothing of its own (docs/design.md, "Compress each tensor
+    once"). A forward in which the output was compressed plainly by a later save turns this on
+    for the next forwards; one in which nothing compressed it (the consumer is a max-pool, or
+    compresses with DIVISION or a rotation) turns it off.
+    """
+
+    __slots__ = ("enabled", "waiting")
+
+    def __init__(self) -> None:
+        self.enabled = False
+        # set by the ReLU Function, registered with the store by its caller once the output
+        # is final (an in-place ReLU's output gets its version bump when the Function returns)
+        self.waiting: Optional[Tuple[str, Optional["ZeroCodeClaim"]]] = None
+
+    def register(self, out: Tensor, store: "CompressedStore") -> None:
+        waiting, self.waiting = self.waiting, None
+        if waiting is None:
+            return
+        kind, claim = waiting
+        if kind == "claim" and claim is not None:
+            store.claim(out, claim, self)
+        else:
+            store.offer(out, self)
+
+
+class ZeroCodeClaim:
+    """A ReLU's claim on the compressed copy of its output, kept on its autograd ctx.
+
+    The first save that compresses the output plainly in this forward quantizes it with zero
+    exact (at its own widths, 1-bit rows raised to 2) and hands the payload here. If none does
+    by the end of the forward, the output (kept alive meanwhile) is packed into ReLU's 1-bit
+    mask instead, in memory order.
+    """
+
+    __slots__ = ("out", "version", "q", "mask")
+
+    def __init__(self, out: Tensor) -> None:
+        self.out: Optional[Tensor] = out
+        self.version = -1  # set when the store registers it
+        self.q: Optional[QuantizedTensor] = None
+        self.mask: Optional[Tuple[Tensor, torch.Size, Tuple[int, ...]]] = None
+
+    def fulfil(self, q: QuantizedTensor) -> None:
+        self.q, self.out = q, None
+
+    def fall_back(self) -> None:
+        """The mask from the output (threshold_backward's predicate: not ``<= 0``); an output
+        changed in place since ReLU leaves neither, and backward then raises."""
+        out, self.out = self.out, None
+        if out is None or tensor_version(out) != self.version:
+            return
+        perm = dense_order(out)
+        if perm is None:
+            out, perm = out.contiguous(), tuple(range(out.dim()))
+        m = ~(out.detach().permute(perm) <= 0)
+        self.mask = (pack_mask(m), m.shape, perm)
+
+
+def save_probe(store: Optional["CompressedStore"] = None) -> None:
+    """One tiny op that saves a tensor (two 2-element saves); ``store``: note its storage so
+    that the store's pack hook can tell whether it saw it."""
+    probe = torch.zeros(2, requires_grad=True)
+    if store is not None:
+        store._probe_ptr = _storage_ptr(probe)
+    with torch.enable_grad():
+        probe.mul(probe)
+
+
+def _at_least_2(bits: Bits) -> Bits:
+    """Widths with every 1 raised to 2: zero-exact codes need two positive levels. The bound
+    of :class:`SampleBits` grows by the rows raised, counted on CPU (free there); on other
+    devices by one per row (no read-back: the buffer may then hold up to 1 bit per value of
+    unused capacity)."""
+    if isinstance(bits, int):
+        return max(bits, 2)
+    if isinstance(bits, Tensor):
+        return bits.clamp_min(2)
+    ones = bits.bits.shape[0] if bits.bits.device.type != "cpu" \
+        else int((bits.bits == 1).sum())
+    return SampleBits(bits.bits.clamp_min(2), bits.max_sum + ones)
 
 
 def dense_order(t: Tensor) -> Optional[Tuple[int, ...]]:
@@ -165,6 +260,12 @@ class CompressedStore:
         self._refresh = refresh
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
+        # zero-exact sharing: ReLU outputs offered (mask saved, learning) and claimed (codes
+        # wanted), by memory key; the probe of hooks_innermost
+        self._offers: Dict[tuple, Tuple["weakref.ref[Tensor]", ZeroCodeSlot]] = {}
+        self._claims: Dict[tuple, Tuple[ZeroCodeClaim, ZeroCodeSlot]] = {}
+        self._probe_ptr: Optional[int] = None
+        self._probe_seen = False
 
     # -- the one store ---------------------------------------------------------------------
     @_eager
@@ -176,22 +277,80 @@ class CompressedStore:
         tensor object whose life keeps ``x``'s memory valid (default: ``x``'s base, else
         ``x``). ``quantize_fn``: what quantizes (default :func:`actnn_zoo.quant.quantize`);
         ``kind`` names it in the key ('quant', ('quant', transform) or ('division', block)),
-        so a tensor compressed two ways is never answered with the other way's payload."""
+        so a tensor compressed two ways is never answered with the other way's payload.
+        A ReLU output claimed by :meth:`claim` is quantized with zero-exact codes (1-bit rows
+        raised to 2) and handed to the claim as well."""
         quantize_fn = quantize if quantize_fn is None else quantize_fn
         kw = {"rounding": rounding}
-        if not isinstance(bits, int) or x.layout != torch.strided:
-            return quantize_fn(x, bits, group_size, **kw)  # per-sample: not shared
-        key = (_storage_ptr(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
-               tensor_version(x), bits, group_size, rounding, kind)
+        if x.layout != torch.strided:
+            return quantize_fn(x, bits, group_size, **kw)
+        memory = _memory_key(x) if (self._claims or self._offers) and kind == "quant" else None
+        claim = self._claims.pop(memory, None) if memory is not None else None
+        if claim is not None:
+            bits = _at_least_2(bits)
+            quantize_fn = functools.partial(quantize, zero_exact=True)
+        elif memory is not None:
+            offer = self._offers.pop(memory, None)
+            if offer is not None and offer[0]() is not None:
+                offer[1].enabled = True  # the next forwards share this output's codes
+        if not isinstance(bits, int):
+            q = quantize_fn(x, bits, group_size, **kw)  # per-sample: not shared
+            if claim is not None:
+                claim[0].fulfil(q)
+            return q
+        key = (memory if memory is not None else _memory_key(x)) + (bits, group_size, rounding,
+                                                                     kind)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is not None:
             self.stats.shared += 1
             return hit[1]
         q = quantize_fn(x, bits, group_size, **kw)
+        if claim is not None:
+            claim[0].fulfil(q)
         if owner is None:
             owner = tensor_base(x) if tensor_base(x) is not None else x
         self._cache[key] = (weakref.ref(owner), q)
         return q
+
+    @_eager
+    def offer(self, x: Tensor, slot: ZeroCodeSlot) -> None:
+        """A ReLU saved a mask for ``x`` (its output): if a later save compresses ``x`` plainly
+        in this forward, ``slot`` is enabled for the next ones."""
+        if x.layout == torch.strided:
+            owner = tensor_base(x) if tensor_base(x) is not None else x
+            self._offers[_memory_key(x)] = (weakref.ref(owner), slot)
+
+    @_eager
+    def claim(self, out: Tensor, claim: ZeroCodeClaim, slot: ZeroCodeSlot) -> None:
+        """A ReLU saved nothing for ``out``: the first plain compression of it answers
+        ``claim`` (else :meth:`finish` packs the mask)."""
+        claim.version = tensor_version(out)
+        self._claims[_memory_key(out)] = (claim, slot)
+
+    @_eager
+    def hooks_innermost(self) -> bool:
+        """Whether a tensor an op saves now reaches this store's hooks. Inside a non-reentrant
+        ``torch.utils.checkpoint`` it does not (the checkpoint's hooks are innermost, and its
+        recomputation in backward runs outside the session): a ReLU there keeps its mask, so
+        the forward and its recomputation save alike. Runs :func:`save_probe` (whose caller
+        runs it also outside sessions, so that a checkpoint counts the same saves in the
+        forward and in its recomputation)."""
+        self._probe_seen = False
+        self._probe_ptr = -1
+        try:
+            save_probe(self)
+        finally:
+            self._probe_ptr = None
+        return self._probe_seen
+
+    def finish(self) -> None:
+        """End of the forward: claims no save answered fall back to masks and turn their
+        slot off (the output went to something that does not compress it, e.g. a max-pool)."""
+        for c, slot in self._claims.values():
+            c.fall_back()
+            slot.enabled = False
+        self._claims.clear()
+        self._offers.clear()
 
     @_eager
     def keep(self, t: Tensor) -> None:
@@ -224,6 +383,9 @@ class CompressedStore:
         return saved
 
     def _pack(self, t: Tensor) -> Any:
+        if self._probe_ptr is not None and _storage_ptr(t) == self._probe_ptr:
+            self._probe_seen = True  # hooks_innermost's probe
+            return t
         stats = self.stats
         if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
             stats._pass("tensor subclass", t)

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import Bits, pack_mask, unpack_mask
+from ..capture.session import active_session
+from ..capture.store import ZeroCodeClaim, ZeroCodeSlot, save_probe
+from ..quant import Bits, masked_grad_codes, pack_mask, unpack_mask
 from ..quant.api import masked_grad
 from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 
@@ -131,7 +133,22 @@ class MaskActivationFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, op: str, a: float, b: float, inplace: bool) -> Tensor:
+    def forward(ctx, x: Tensor, op: str, a: float, b: float, inplace: bool,
+                slot: Optional[ZeroCodeSlot] = None) -> Tensor:
+        session = active_session() if slot is not None and op == "relu" else None
+        if session is not None:
+            innermost = session.store.hooks_innermost()
+        elif slot is not None and op == "relu":
+            save_probe()  # what the session's probe saves, e.g. in a checkpoint's recomputation
+        if session is not None and slot.enabled and innermost:
+            # the consumer's zero-exact payload will hold the mask (ZeroCodeSlot)
+            out = F.relu(x, inplace=inplace)
+            if inplace:
+                ctx.mark_dirty(x)
+            ctx.claim = ZeroCodeClaim(out)
+            slot.waiting = ("claim", ctx.claim)  # registered by relu() once out is final
+            save(ctx)
+            return out
         if op == "relu":  # threshold_backward(grad, result, 0): result <= 0 -> 0
             mask = ~(x <= 0)
             other = 0.0
@@ -159,22 +176,47 @@ class MaskActivationFunction(torch.autograd.Function):
         ctx.other = other
         ctx.mshape = mshape
         ctx.perm = perm
+        ctx.claim = None
         save(ctx, packed)
+        if session is not None:
+            slot.waiting = ("offer", None)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         # One fused pass over grad and the packed bits (quant.masked_grad): no bool mask is
         # materialised. Bit-identical to torch.where(mask, grad, 0 or grad * other).
+        if ctx.claim is not None:
+            return _claimed_grad(ctx.claim, grad), None, None, None, None, None
         (packed,) = load(ctx)
         grad_in = masked_grad_in(grad, packed, ctx.mshape, ctx.perm, None,
                                  None if ctx.other == 0.0 else ctx.other)
-        return grad_in, None, None, None, None
+        return grad_in, None, None, None, None, None
 
 
-def relu(x: Tensor, inplace: bool = False) -> Tensor:
-    """ReLU saving a 1-bit mask for backward."""
-    return MaskActivationFunction.apply(x, "relu", 0.0, 0.0, inplace)
+def _claimed_grad(claim: ZeroCodeClaim, grad: Tensor) -> Tensor:
+    """ReLU's backward from its claim: the consumer's zero-exact codes (code 0 exactly where
+    the output was 0), else the mask packed at the end of the forward."""
+    if claim.q is not None:
+        return masked_grad_codes(grad, claim.q)
+    if claim.mask is not None:
+        packed, shape, perm = claim.mask
+        return masked_grad_in(grad, packed, shape, perm, None, None)
+    raise RuntimeError("actnn_zoo: the output of a ReLU was modified by an in-place operation "
+                       "after the ReLU and before anything saved it; its backward needs the "
+                       "original (torch's own ReLU raises for the same reason)")
+
+
+def relu(x: Tensor, inplace: bool = False, slot: Optional[ZeroCodeSlot] = None) -> Tensor:
+    """ReLU saving a 1-bit mask for backward; with a module's ``slot``, nothing of its own
+    where the next layer compresses the output (:class:`~actnn_zoo.capture.ZeroCodeSlot`)."""
+    out = MaskActivationFunction.apply(x, "relu", 0.0, 0.0, inplace, slot)
+    if slot is not None and slot.waiting is not None:
+        session = active_session()
+        if session is not None:
+            slot.register(out, session.store)
+        slot.waiting = None
+    return out
 
 
 def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from ..capture.store import ZeroCodeSlot
 from ..config import LayerQConfig
 from ..functional import activation as A
 from ._base import QModule
@@ -26,7 +27,10 @@ class _QAct(QModule):
 
 
 class QReLU(_QAct, nn.ReLU):
-    """nn.ReLU saving a 1-bit mask (torch saves the full output)."""
+    """nn.ReLU saving a 1-bit mask (torch saves the full output), or nothing of its own in a
+    converted model where the next layer compresses the output: that layer's payload is then
+    coded with zero exact and ReLU's backward reads it (:class:`~actnn_zoo.capture.ZeroCodeSlot`,
+    learned over one forward)."""
 
     _FLOAT_MODULE = nn.ReLU
 
@@ -36,7 +40,10 @@ class QReLU(_QAct, nn.ReLU):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.relu(input, self.inplace)
+            slot = self.__dict__.get("_zero_codes")
+            if slot is None:
+                slot = self._zero_codes = ZeroCodeSlot()
+            return A.relu(input, self.inplace, slot)
         return nn.ReLU.forward(self, input)
 
 

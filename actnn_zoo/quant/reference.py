@@ -116,7 +116,11 @@ def group_metadata(x2d: Tensor, levels: Tensor, group_size: int) -> Tuple[Tensor
     """Per-group (lo, step) in bfloat16 for float32 ``x2d`` (N, D) and per-row ``levels`` (N,)."""
     mn = _grouped(x2d, group_size, float("inf")).amin(dim=2)
     mx = _grouped(x2d, group_size, float("-inf")).amax(dim=2)
-    lv = levels.to(torch.float32).unsqueeze(1)
+    return _range_metadata(mn, mx, levels.to(torch.float32).unsqueeze(1))
+
+
+def _range_metadata(mn: Tensor, mx: Tensor, lv: Tensor) -> Tuple[Tensor, Tensor]:
+    """(lo, step) in bfloat16 for group minima/maxima ``mn``/``mx`` (N, G) and ``lv`` intervals."""
     finite = torch.isfinite(mn) & torch.isfinite(mx)
     lo = round_down_bf16(torch.where(finite, mn, 0.0))
     lo_f = lo.float()
@@ -127,7 +131,7 @@ def group_metadata(x2d: Tensor, levels: Tensor, group_size: int) -> Tuple[Tensor
     # A denormal step would make 1 / step overflow: use at least the smallest normal float32.
     step = torch.where(step > 0, torch.clamp_min(step, MIN_STEP), step)
     bad = ~finite | ~torch.isfinite(step.float())
-    nan = torch.tensor(float("nan"), dtype=torch.bfloat16, device=x2d.device)
+    nan = torch.tensor(float("nan"), dtype=torch.bfloat16, device=mn.device)
     return torch.where(bad, nan, lo), torch.where(bad, nan, step)
 
 
@@ -153,6 +157,60 @@ def quantize_codes(x2d: Tensor, lo: Tensor, step: Tensor, levels: Tensor, group_
     q = torch.nan_to_num(q, nan=0.0)
     q = torch.minimum(torch.clamp_min(q, 0.0), levels.to(torch.float32).unsqueeze(1))
     return q.to(torch.uint8)
+
+
+def zero_groups(step: Tensor) -> Tensor:
+    """(N, G) bool: groups stored with an exact zero code (their bf16 ``step`` has its sign bit
+    set, see :func:`zero_exact_codes`) or bad (NaN), whose codes are then 0 exactly at zeros."""
+    return (step.view(torch.int16) < 0) | torch.isnan(step)
+
+
+def zero_exact_codes(x2d: Tensor, lo: Tensor, step: Tensor, codes: Tensor, levels: Tensor,
+                     group_size: int, seed: int, stochastic: bool
+                     ) -> Tuple[Tensor, Tensor, Tensor]:
+    """Re-code the groups of float32 ``x2d`` that hold a zero (minimum == 0) with zero exact.
+
+    Levels ``0, m, m + s, ..., m + (L - 1) s`` for ``L = 2^b - 1``: ``m`` (``lo``) is the
+    smallest positive value rounded down to bf16, ``s`` the positive range over ``L - 1``
+    (rounded and nudged like a plain group's step) and stored negated, so that the sign bit of
+    ``step`` marks the group. Code 0 is exactly the zeros; a positive value gets
+    ``1 + clamp(floor((x - m) / s + u), 0, L - 1)``, stochastic rounding among the positive
+    levels (unbiased). Groups without zeros (minimum > 0, or < 0) keep the plain codes; a bad
+    group (NaN step) gets code ``x != 0``. Rows of 1 bit (L = 1) are left plain: with one
+    positive level, rounding cannot be unbiased. Why: the codes of a ReLU output then say
+    exactly where it was positive, so ReLU's backward needs no mask of its own.
+    """
+    n, d = x2d.shape
+    lv = levels.to(torch.float32).unsqueeze(1)
+    mn = _grouped(x2d, group_size, float("inf")).amin(dim=2)
+    mx = _grouped(x2d, group_size, float("-inf")).amax(dim=2)
+    pos = _grouped(torch.where(x2d > 0, x2d, float("inf")), group_size, float("inf")).amin(dim=2)
+    pos = torch.where(mx > 0, pos, 0.0)
+    rows = (lv >= 3).expand_as(mn)
+    bad = torch.isnan(step) & rows
+    zg = (mn == 0) & ~torch.isnan(step) & rows
+    lo_z, step_z = _range_metadata(pos, mx, torch.clamp_min(lv - 1, 1))
+    q = quantize_codes(x2d, lo_z, step_z, torch.clamp_min(levels - 1, 1), group_size, seed,
+                       stochastic)
+    nonzero = x2d != 0
+    code_z = torch.where(nonzero, q + 1, 0).to(torch.uint8)
+    zg_e = _expand(zg.float(), d, group_size) > 0
+    bad_e = _expand(bad.float(), d, group_size) > 0
+    codes = torch.where(zg_e, code_z, torch.where(bad_e, nonzero.to(torch.uint8), codes))
+    # A zero group whose step overflows is bad (NaN, sign clear) like a plain one.
+    step_z = torch.where(torch.isnan(step_z), step_z, -step_z.abs())  # -0.0 for a 0 step
+    return torch.where(zg, lo_z, lo), torch.where(zg, step_z, step), codes
+
+
+def masked_grad_codes(grad: Tensor, data: Tensor, step: Tensor, bits: Tensor, offsets: Tensor,
+                      group_size: int) -> Tensor:
+    """``grad`` (N, D) where the zero-exact codes are nonzero, +0.0 elsewhere; groups stored
+    plain (no zero in them) pass ``grad`` whole. A contiguous tensor of ``grad``'s dtype."""
+    d = grad.shape[1]
+    codes = unpack_codes(data, bits, offsets, d)
+    zg = _expand(zero_groups(step).float(), d, group_size) > 0
+    keep = ~zg | (codes != 0)
+    return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,21 +275,31 @@ def unpack_codes(data: Tensor, bits: Tensor, offsets: Tensor, d: int) -> Tensor:
 # The kernel interface every backend implements
 # ----------------------------------------------------------------------------------------------
 def quantize(x2d: Tensor, bits: Tensor, offsets: Tensor, total: int, group_size: int, seed: int,
-             stochastic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(N, D) contiguous float tensor -> (packed uint8 data, lo bf16 (N, G), step bf16 (N, G))."""
+             stochastic: bool, zero_exact: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """(N, D) contiguous float tensor -> (packed uint8 data, lo bf16 (N, G), step bf16 (N, G)).
+    ``zero_exact``: groups holding a zero get an exact zero code (:func:`zero_exact_codes`)."""
     x = x2d.to(torch.float32)
     levels = (1 << bits.to(torch.int64)) - 1
     lo, step = group_metadata(x, levels, group_size)
     codes = quantize_codes(x, lo, step, levels, group_size, seed, stochastic)
+    if zero_exact:
+        lo, step, codes = zero_exact_codes(x, lo, step, codes, levels, group_size, seed,
+                                           stochastic)
     return pack_codes(codes, bits, offsets, total), lo, step
 
 
 def dequantize(data: Tensor, lo: Tensor, step: Tensor, bits: Tensor, offsets: Tensor,
                group_size: int, out: Tensor) -> Tensor:
-    """Inverse of :func:`quantize` into ``out`` (N, D): ``lo + q * step`` in float32, cast."""
+    """Inverse of :func:`quantize` into ``out`` (N, D): ``q * step + lo`` in float32, cast; in
+    a zero-exact group (``step`` < 0) 0 for code 0, else ``(q - 1) * |step| + lo``."""
     d = out.shape[1]
     q = unpack_codes(data, bits, offsets, d).to(torch.float32)
-    out.copy_(q * _expand(step, d, group_size) + _expand(lo, d, group_size))
+    st = _expand(step, d, group_size)
+    lo_e = _expand(lo, d, group_size)
+    plain = q * st + lo_e
+    zg = _expand((step.view(torch.int16) < 0).float(), d, group_size) > 0
+    zval = torch.where(q == 0, 0.0, (q - 1.0) * (-st) + lo_e)
+    out.copy_(torch.where(zg, zval, plain))
     return out
 
 

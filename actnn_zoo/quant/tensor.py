@@ -19,6 +19,9 @@ class QuantizedTensor:
     ``transform`` is 'none' or 'hadamard': the codes then hold the randomized Walsh-Hadamard
     transform of each full group (signs from ``transform_seed``), which dequantize inverts
     (:mod:`actnn_zoo.quant.hadamard`).
+    ``zero_exact``: groups holding a zero were coded with zero as an exact code (their ``step``
+    is stored negated), so the codes tell exactly where the tensor was nonzero
+    (:func:`actnn_zoo.quant.masked_grad_codes`, ReLU's backward without a mask of its own).
     """
 
     data: Tensor
@@ -32,6 +35,7 @@ class QuantizedTensor:
     offsets: Optional[Tensor] = None
     transform: str = "none"
     transform_seed: int = 0
+    zero_exact: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -66,19 +70,20 @@ class QuantizedTensor:
     def spec(self) -> tuple:
         """The non-tensor part, to keep on ``ctx``; :meth:`rebuild` joins the two again."""
         return (self.shape, self.dtype, self.bits, self.group_size, self.mixed, self.transform,
-                self.transform_seed)
+                self.transform_seed, self.zero_exact)
 
     @classmethod
     def rebuild(cls, spec: tuple, tensors: Tuple[Tensor, ...]) -> "QuantizedTensor":
-        shape, dtype, bits, group_size, mixed, transform, transform_seed = spec
+        shape, dtype, bits, group_size, mixed, transform, transform_seed, zero_exact = spec
         if mixed:
             data, lo, step, row_bits, offsets = tensors
         else:
             (data, lo, step), row_bits, offsets = tensors, None, None
         return cls(data, lo, step, shape, dtype, bits, group_size, row_bits, offsets, transform,
-                   transform_seed)
+                   transform_seed, zero_exact)
 
     def __repr__(self) -> str:
         width = "mixed" if self.mixed else f"{self.bits}"
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={width}, "
-                f"group_size={self.group_size}, transform={self.transform}, nbytes={self.nbytes})")
+                f"group_size={self.group_size}, transform={self.transform}, "
+                f"zero_exact={self.zero_exact}, nbytes={self.nbytes})")
