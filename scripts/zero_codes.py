@@ -1,9 +1,9 @@
 """What zero-exact ReLU codes buy and cost on the ResNet-style CNN (docs/design.md,
 "Compress each tensor once").
 
-For each config (the 2-bit default, uniform 2 bits) and each mode (``codes``: ReLUs read their
-backward from the consumer's zero-exact payload, the default; ``masks``: every ReLU keeps its own
-1-bit mask, the behaviour before), on one fixed batch of DigitsResNet at batch 256:
+For each config (the 2-bit default, uniform 2 bits) and each mode (``codes``: ``relu_codes:
+true``, ReLUs read their backward from the consumer's zero-exact payload; ``masks``: the
+default, every ReLU keeps its own 1-bit mask), on one fixed batch of DigitsResNet at batch 256:
 
 * the saved-activation compression against fp32 (one training forward plus the loss, measured
   on the second forward, once the ReLUs have learned their consumers);
@@ -31,17 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import actnn_zoo as az  # noqa: E402
-import actnn_zoo.functional.activation as A  # noqa: E402
 from actnn_zoo.memory import interleaved_step_times, saved_activation_bytes  # noqa: E402
 from actnn_zoo.models import build_model, example_batch, workload  # noqa: E402
-
-_RELU = A.relu
-
-
-def masks_only(enabled: bool) -> None:
-    """``masks`` mode: QReLU gets no slot, so it always saves its mask."""
-    A.relu = (lambda x, inplace=False, slot=None: _RELU(x, inplace, None)) if enabled else _RELU
-
 
 def weight_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()
@@ -70,9 +61,8 @@ def main() -> None:
     for label, kw in (("default", {}), ("uniform 2", {"strategy": "uniform", "bits": 2})):
         models, rows = {}, {}
         for mode in ("masks", "codes"):
-            masks_only(mode == "masks")
             torch.manual_seed(1)
-            model = az.convert_model(copy.deepcopy(base), **kw)
+            model = az.convert_model(copy.deepcopy(base), relu_codes=mode == "codes", **kw)
             model.zero_grad()
             lossf(model(x), y).backward()  # the ReLUs learn their consumers
             saved = saved_activation_bytes(model, x, loss_fn=lambda o: lossf(o, y)).total_bytes
@@ -87,17 +77,14 @@ def main() -> None:
                 cos += float(F.cosine_similarity(flat, ref, dim=0))
             rows[mode] = (fp32 / saved, mse / args.passes, cos / args.passes)
             models[mode] = model
-        masks_only(False)
         steps = {}
         for mode, model in models.items():
-            def step(model=model, mode=mode):
-                masks_only(mode == "masks")
+            def step(model=model):
                 model.zero_grad()
                 lossf(model(x), y).backward()
             steps[mode] = step
         times = {k: statistics.median(v)
                  for k, v in interleaved_step_times(steps, n=args.steps).items()}
-        masks_only(False)
         for mode in ("masks", "codes"):
             ratio, mse, cos = rows[mode]
             print(f"{label:<12} {mode:<6} {ratio:>10.2f}x {mse / rows['masks'][1]:>18.3f} "

@@ -184,7 +184,7 @@ def test_relu_gradient_exact_and_mask_dropped(inplace):
     first step (mask) and later ones (codes); from the second forward ReLU keeps nothing."""
     torch.manual_seed(0)
     ref = ReluLinear(inplace)
-    model = az.convert_model(copy.deepcopy(ref))
+    model = az.convert_model(copy.deepcopy(ref), relu_codes=True)
     for step in range(3):
         x = torch.randn(64, 48)
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -197,7 +197,7 @@ def test_relu_gradient_exact_and_mask_dropped(inplace):
 
 def test_retain_graph_reads_codes_twice():
     torch.manual_seed(0)
-    model = az.convert_model(ReluLinear())
+    model = az.convert_model(ReluLinear(), relu_codes=True)
     model(torch.randn(64, 48)).sum().backward()  # learn
     x = torch.randn(64, 48, requires_grad=True)
     loss = model(x).square().mean()
@@ -221,7 +221,7 @@ class ReluPool(nn.Module):
 
 def test_relu_without_compressing_consumer_keeps_its_mask():
     torch.manual_seed(0)
-    model = az.convert_model(ReluPool())
+    model = az.convert_model(ReluPool(), relu_codes=True)
     for _ in range(3):
         model(torch.randn(4, 3, 16, 16)).sum().backward()
         assert not model.relu._zero_codes.enabled
@@ -235,7 +235,7 @@ def test_consumer_widths_are_used():
     from actnn_zoo.capture.store import ZeroCodeClaim
 
     torch.manual_seed(0)
-    model = az.convert_model(ReluLinear(), strategy="uniform", bits=2)
+    model = az.convert_model(ReluLinear(), strategy="uniform", bits=2, relu_codes=True)
     model(torch.randn(64, 48)).sum().backward()
     model.fc1.qconfig = dataclasses.replace(model.fc1.qconfig, bits=4)
     seen = []
@@ -264,7 +264,7 @@ def cnn_pair(checkpoint: bool = False):
     torch.manual_seed(0)
     ref = build_model("resnet").train()
     ref.dropout.p = 0.0
-    model = az.convert_model(copy.deepcopy(ref), bits=8)
+    model = az.convert_model(copy.deepcopy(ref), bits=8, relu_codes=True)
     if checkpoint:
         ref.checkpoint_stages = model.checkpoint_stages = True
     return ref, model
@@ -293,27 +293,25 @@ def test_cnn_gradients_at_8_bits():
 def test_checkpointed_segments_keep_masks(monkeypatch):
     """Per-block checkpointing: inside a checkpoint the ReLUs keep their masks (the store's
     probe sees that its hooks are not innermost), so the forward and the recomputation save
-    alike (no CheckpointError); the gradients agree with those of a model whose ReLUs never
-    use codes (8 bits; only the stem's ReLU, outside the checkpoints, differs)."""
-    import actnn_zoo.functional.activation as A
+    alike (no CheckpointError); only the stem's ReLU, outside the checkpoints, claims codes."""
+    from actnn_zoo.capture.store import CompressedStore
 
-    def run():
-        _, model = cnn_pair(checkpoint=True)
-        torch.manual_seed(1)
-        out = []
-        for _ in range(3):
-            x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            out.append(grads(model))
-        return out
-
-    with_slots = run()
-    orig = A.relu
-    monkeypatch.setattr(A, "relu", lambda x, inplace=False, slot=None: orig(x, inplace, None))
-    without = run()
-    for a, b in zip(with_slots, without):
-        assert F.cosine_similarity(a, b, dim=0) >= 0.9999
+    claims = []
+    orig = CompressedStore.claim
+    monkeypatch.setattr(CompressedStore, "claim",
+                        lambda self, out, c, slot: (claims.append(out.shape),
+                                                    orig(self, out, c, slot))[1])
+    ref, model = cnn_pair(checkpoint=True)
+    for step in range(3):
+        claims.clear()
+        x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+        for m in (ref, model):
+            m.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+        assert len(claims) == (0 if step == 0 else 1), (step, claims)
+        # capture + checkpoint reaches only ~0.994 at 8 bits, with or without codes: a known
+        # gap of the capture tiers under checkpoint (docs/design.md, "Known limits")
+        assert F.cosine_similarity(grads(ref), grads(model), dim=0) >= 0.99
 
 
 def test_cnn_compression_gains():
@@ -325,7 +323,24 @@ def test_cnn_compression_gains():
     loss = workload("resnet").loss
     base = build_model("resnet").train()
     fp32 = saved_activation_bytes(base, x, loss_fn=lambda o: loss(o, y)).total_bytes
-    model = az.convert_model(copy.deepcopy(base))
+    model = az.convert_model(copy.deepcopy(base), relu_codes=True)
     first = saved_activation_bytes(model, x, loss_fn=lambda o: loss(o, y))
     second = saved_activation_bytes(model, x, loss_fn=lambda o: loss(o, y))
     assert fp32 / second.total_bytes >= 14.5 > fp32 / first.total_bytes
+
+
+def test_off_by_default_and_yaml_key(tmp_path):
+    """``relu_codes`` is off by default (masks, as before) and a YAML key; a wrong value names
+    the key."""
+    torch.manual_seed(0)
+    model = az.convert_model(ReluLinear())
+    for _ in range(2):
+        model(torch.randn(64, 48)).sum().backward()
+    assert "_zero_codes" not in vars(model.relu) and relu_saved(model)
+    cfg = tmp_path / "codes.yaml"
+    cfg.write_text("bits: 2\nrelu_codes: true\n")
+    model = az.convert_model(ReluLinear(), str(cfg))
+    assert model.relu.qconfig.relu_codes
+    cfg.write_text("bits: 2\nrelu_codes: maybe\n")
+    with pytest.raises(ValueError, match="relu_codes"):
+        az.convert_model(ReluLinear(), str(cfg))

@@ -103,10 +103,11 @@ class ZeroCodeSlot:
     compresses with DIVISION or a rotation) turns it off.
     """
 
-    __slots__ = ("enabled", "waiting")
+    __slots__ = ("enabled", "waiting", "probed")
 
     def __init__(self) -> None:
         self.enabled = False
+        self.probed = False  # ran in a capture session (see CompressedStore.hooks_innermost)
         # set by the ReLU Function, registered with the store by its caller once the output
         # is final (an in-place ReLU's output gets its version bump when the Function returns)
         self.waiting: Optional[Tuple[str, Optional["ZeroCodeClaim"]]] = None

@@ -138,8 +138,9 @@ class MaskActivationFunction(torch.autograd.Function):
         session = active_session() if slot is not None and op == "relu" else None
         if session is not None:
             innermost = session.store.hooks_innermost()
-        elif slot is not None and op == "relu":
-            save_probe()  # what the session's probe saves, e.g. in a checkpoint's recomputation
+            slot.probed = True
+        elif slot is not None and slot.probed and op == "relu":
+            save_probe()  # what the session's probe saved: a checkpoint's recomputation
         if session is not None and slot.enabled and innermost:
             # the consumer's zero-exact payload will hold the mask (ZeroCodeSlot)
             out = F.relu(x, inplace=inplace)

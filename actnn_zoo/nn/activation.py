@@ -27,10 +27,10 @@ class _QAct(QModule):
 
 
 class QReLU(_QAct, nn.ReLU):
-    """nn.ReLU saving a 1-bit mask (torch saves the full output), or nothing of its own in a
-    converted model where the next layer compresses the output: that layer's payload is then
-    coded with zero exact and ReLU's backward reads it (:class:`~actnn_zoo.capture.ZeroCodeSlot`,
-    learned over one forward)."""
+    """nn.ReLU saving a 1-bit mask (torch saves the full output); with ``qconfig.relu_codes``
+    nothing of its own in a converted model where the next layer compresses the output: that
+    layer's payload is then coded with zero exact and ReLU's backward reads it
+    (:class:`~actnn_zoo.capture.store.ZeroCodeSlot`, learned over one forward)."""
 
     _FLOAT_MODULE = nn.ReLU
 
@@ -40,9 +40,11 @@ class QReLU(_QAct, nn.ReLU):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            slot = self.__dict__.get("_zero_codes")
-            if slot is None:
-                slot = self._zero_codes = ZeroCodeSlot()
+            slot = None
+            if self.qconfig.relu_codes:
+                slot = self.__dict__.get("_zero_codes")
+                if slot is None:
+                    slot = self._zero_codes = ZeroCodeSlot()
             return A.relu(input, self.inplace, slot)
         return nn.ReLU.forward(self, input)
 
