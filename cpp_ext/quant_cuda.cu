@@ -710,6 +710,26 @@ void dispatch_float(at::ScalarType t, const char* fn, const char* name, F&& f) {
   }
 }
 
+// The codes' layout for a kernel that reads them octet by octet (lo unset, no vector stores).
+DequantArgs dequant_args(const at::Tensor& data_c, const at::Tensor& step_c,
+                         const at::Tensor& bits_c, const at::Tensor& offsets_c, int64_t D,
+                         int64_t G, int64_t group_size) {
+  DequantArgs a;
+  a.data = data_c.data_ptr<uint8_t>();
+  a.lo = nullptr;
+  a.step = reinterpret_cast<const uint16_t*>(step_c.data_ptr<at::BFloat16>());
+  a.bits = bits_c.data_ptr<uint8_t>();
+  a.offsets = offsets_c.data_ptr<int64_t>();
+  a.data_len = data_c.numel();
+  a.D = D;
+  a.G = G;
+  a.group_size = group_size;
+  a.octets_per_row = (D + 7) / 8;
+  a.work = bits_c.size(0) * a.octets_per_row;
+  a.vec = false;
+  return a;
+}
+
 template <typename T, int NOCT>
 void launch_quantize(const T* x, const QuantArgs& a, cudaStream_t stream) {
   const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * (32 >> a.lpg_log2);
@@ -822,18 +842,8 @@ at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const a
   const at::Tensor step_c = step.contiguous();
   const at::Tensor bits_c = bits.contiguous();
   const at::Tensor offsets_c = offsets.contiguous();
-  DequantArgs a;
-  a.data = data_c.data_ptr<uint8_t>();
+  DequantArgs a = dequant_args(data_c, step_c, bits_c, offsets_c, D, G, group_size);
   a.lo = reinterpret_cast<const uint16_t*>(lo_c.data_ptr<at::BFloat16>());
-  a.step = reinterpret_cast<const uint16_t*>(step_c.data_ptr<at::BFloat16>());
-  a.bits = bits_c.data_ptr<uint8_t>();
-  a.offsets = offsets_c.data_ptr<int64_t>();
-  a.data_len = data_c.numel();
-  a.D = D;
-  a.G = G;
-  a.group_size = group_size;
-  a.octets_per_row = octets_per_row;
-  a.work = work;
   a.vec = (D % 8 == 0) && aligned16(out.data_ptr());
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -945,19 +955,7 @@ at::Tensor masked_grad_codes_cuda(const at::Tensor& grad, const at::Tensor& data
   const at::Tensor step_c = step.contiguous();
   const at::Tensor bits_c = bits.contiguous();
   const at::Tensor offsets_c = offsets.contiguous();
-  DequantArgs a;
-  a.data = data_c.data_ptr<uint8_t>();
-  a.lo = nullptr;
-  a.step = reinterpret_cast<const uint16_t*>(step_c.data_ptr<at::BFloat16>());
-  a.bits = bits_c.data_ptr<uint8_t>();
-  a.offsets = offsets_c.data_ptr<int64_t>();
-  a.data_len = data_c.numel();
-  a.D = D;
-  a.G = G;
-  a.group_size = group_size;
-  a.octets_per_row = octets_per_row;
-  a.work = work;
-  a.vec = false;
+  const DequantArgs a = dequant_args(data_c, step_c, bits_c, offsets_c, D, G, group_size);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const unsigned grid = grid_for(work, kThreads);
   switch (grad.element_size()) {
