@@ -63,27 +63,31 @@ STRATEGIES = ("uniform", "actnn", "gact", "acgc", "division")
 class Run:
     """One training run: ``task`` text or digits, ``strategy`` fp32 or one of STRATEGIES,
     ``level`` the bits budget (uniform / actnn / gact / division) or the error fraction
-    (acgc), ``group`` which part of the plan it belongs to."""
+    (acgc), ``group`` which part of the plan it belongs to, ``steps`` text steps when not
+    TEXT_STEPS."""
 
     task: str
     strategy: str
     level: Optional[float]
     seed: int
     group: str
+    steps: Optional[int] = None
 
     @property
     def name(self) -> str:
         lvl = "" if self.level is None else "_" + (f"e{self.level:g}" if self.strategy == "acgc"
                                                    else f"{self.level:g}b")
-        return f"{self.task}_{self.strategy}{lvl}_s{self.seed}"
+        st = "" if self.steps is None else f"_{self.steps}st"
+        return f"{self.task}_{self.strategy}{lvl}{st}_s{self.seed}"
 
     @property
     def label(self) -> str:
+        st = "" if self.steps is None else f" ({self.steps} steps)"
         if self.strategy == "fp32":
-            return "fp32"
+            return "fp32" + st
         if self.strategy == "acgc":
-            return f"acgc e={self.level:g}"
-        return f"{self.strategy} {self.level:g}"
+            return f"acgc e={self.level:g}" + st
+        return f"{self.strategy} {self.level:g}" + st
 
 
 def config_for(run: Run) -> Optional[Dict[str, Any]]:
@@ -106,7 +110,8 @@ def config_for(run: Run) -> Optional[Dict[str, Any]]:
 
 
 # acgc's error fractions: chosen from --probe-acgc (30 text steps) to land near 2-4 bits
-ACGC_E_TEXT = (1.0, 0.3, 0.1)
+# (e=2: 1.72, 1: 2.16, 0.3: 3.38, 0.1: 4.75 bits after 30 steps)
+ACGC_E_TEXT = (1.0, 0.3, 0.1, 2.0)
 ACGC_E_2BIT_TEXT = 1.0
 ACGC_E_2BIT_DIGITS = 2.0  # bench_strategies: e = 2 -> 1.96 bits on the digits CNN
 
@@ -131,6 +136,19 @@ def plan() -> List[Run]:
         runs += [Run("text", "fp32", None, seed, "seeds")]
         runs += [Run("text", s, ACGC_E_2BIT_TEXT if s == "acgc" else 2, seed, "seeds")
                  for s in STRATEGIES]
+    # the demo's full length (1000 text steps), seed 0, the 2-bit point and 4 bits
+    runs += [Run("text", "fp32", None, 0, "long", 1000)]
+    runs += [Run("text", s, ACGC_E_2BIT_TEXT if s == "acgc" else 2, 0, "long", 1000)
+             for s in STRATEGIES]
+    runs += [Run("text", "actnn", 4, 0, "long", 1000)]
+    # the ends of the curve and its other points on seeds 1-2
+    runs += [Run("text", "uniform", b, 0, "extra") for b in (1, 8)]
+    for seed in (1, 2):
+        runs += [Run("text", "uniform", 4, seed, "extra")]
+        runs += [Run("text", "actnn", b, seed, "extra") for b in (1.5, 3, 4)]
+        runs += [Run("text", "gact", b, seed, "extra") for b in (1.5, 3, 4)]
+        runs += [Run("text", "acgc", e, seed, "extra") for e in ACGC_E_TEXT
+                 if e != ACGC_E_2BIT_TEXT]
     return runs
 
 
@@ -176,7 +194,7 @@ def execute(run: Run, threads: int) -> Dict[str, Any]:
     mode = "fp32" if cfg is None else "bits"
     t0 = time.perf_counter()
     if run.task == "text":
-        setup = demo.TextSetup(steps=TEXT_STEPS)
+        setup = demo.TextSetup(steps=run.steps or TEXT_STEPS)
         corpus = load_text_corpus(setup.num_chars)
         res = demo.train_text(mode, setup, run.seed, corpus, None, cfg, progress=False)
         xb, yb = random_windows(corpus.train, setup.context, setup.batch_size,
@@ -261,17 +279,19 @@ def summarize(records: Sequence[Dict[str, Any]], task: str) -> List[Dict[str, An
     for r in records:
         if r["run"]["task"] == task:
             groups.setdefault(r["label"], []).append(r)
-    fp32 = {r["run"]["seed"]: r["metric"] for r in groups.get("fp32", [])}
+    fp32 = {(r["run"]["seed"], r["run"].get("steps")): r["metric"] for r in records
+            if r["run"]["task"] == task and r["run"]["strategy"] == "fp32"}
     rows = []
     for label, rs in groups.items():
         rs = sorted(rs, key=lambda r: r["run"]["seed"])
         m = [r["metric"] for r in rs]
         seeds = [r["run"]["seed"] for r in rs]
-        ref = [fp32[s] for s in seeds if s in fp32]
+        steps = rs[0]["run"].get("steps")
+        ref = [fp32[s, steps] for s in seeds if (s, steps) in fp32]
         ref_mean = statistics.fmean(ref) if len(ref) == len(seeds) else None
         mean = statistics.fmean(m)
         sb = [r["strategy_bits"] for r in rs if r["strategy_bits"] is not None]
-        rows.append({"label": label, "strategy": rs[0]["run"]["strategy"],
+        rows.append({"label": label, "strategy": rs[0]["run"]["strategy"], "steps": steps,
                      "level": rs[0]["run"]["level"], "seeds": seeds, "metric": mean,
                      "std": statistics.stdev(m) if len(m) > 1 else None, "per_seed": m,
                      "fp32": ref_mean,
@@ -283,7 +303,7 @@ def summarize(records: Sequence[Dict[str, Any]], task: str) -> List[Dict[str, An
                      "compression": statistics.fmean(r["compression"] for r in rs),
                      "train_seconds": statistics.fmean(r["train_seconds"] for r in rs)})
     order = {s: i for i, s in enumerate(("fp32",) + STRATEGIES)}
-    rows.sort(key=lambda r: (order.get(r["strategy"], 99), -(r["strategy_bits"] or 99)
+    rows.sort(key=lambda r: (r["steps"] or 0, order.get(r["strategy"], 99), -(r["strategy_bits"] or 99)
                              if r["strategy"] == "acgc" else (r["level"] or 0)))
     return rows
 
@@ -309,8 +329,11 @@ def table(rows: Sequence[Dict[str, Any]], task: str, seeds_filter: Optional[int]
     return "\n".join(lines)
 
 
-def seed0_rows(records: Sequence[Dict[str, Any]], task: str) -> List[Dict[str, Any]]:
-    return summarize([r for r in records if r["run"]["seed"] == 0], task)
+def seed0_rows(records: Sequence[Dict[str, Any]], task: str,
+               steps: Optional[int] = None) -> List[Dict[str, Any]]:
+    """Seed 0 only, runs of ``steps`` text steps (None: TEXT_STEPS)."""
+    return summarize([r for r in records if r["run"]["seed"] == 0
+                      and r["run"].get("steps") == steps], task)
 
 
 STYLE = {"uniform": dict(color="tab:blue", marker="s"), "actnn": dict(color="tab:orange",
@@ -377,12 +400,17 @@ def report(directory: Path, results: Path) -> str:
     for task in ("text", "digits"):
         if not any(r["run"]["task"] == task for r in records):
             continue
-        text.append(f"== {task}, seed 0")
+        text.append(f"== {task}, seed 0" + (f", {TEXT_STEPS} steps" if task == "text" else ""))
         text.append(table(seed0_rows(records, task), task))
         multi = [r for r in summarize(records, task) if len(r["seeds"]) > 1]
         if multi:
             text.append(f"\n== {task}, all seeds run (mean ± std over seeds)")
             text.append(table(multi, task))
+        longer = sorted({r["run"].get("steps") for r in records if r["run"]["task"] == task}
+                        - {None})
+        for steps in longer:
+            text.append(f"\n== {task}, seed 0, {steps} steps")
+            text.append(table(seed0_rows(records, task, steps), task))
         text.append("")
     out = "\n".join(text)
     results.mkdir(parents=True, exist_ok=True)
@@ -419,7 +447,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="one JSON per run (existing ones are skipped)")
     ap.add_argument("--results", default=str(ROOT / "results"))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--groups", default="curve,strategies,digits,seeds",
+    ap.add_argument("--groups", default="curve,strategies,digits,seeds,long,extra",
                     help="comma list of plan groups to run")
     ap.add_argument("--only", default=None, help="comma list of run names")
     ap.add_argument("--run", default=None, help="train this one run here (child mode): a run "
