@@ -343,43 +343,55 @@ STYLE = {"uniform": dict(color="tab:blue", marker="s"), "actnn": dict(color="tab
 
 
 def plot(records: Sequence[Dict[str, Any]], out: Path) -> Optional[Path]:
-    """x: realised average bits, y: validation loss (text, seed 0), one line per strategy,
-    fp32 dashed; left the Q-layers' average width, right the storage bits per value."""
+    """x: realised average bits, y: validation loss (text, TEXT_STEPS steps), one line per
+    strategy through the seed-0 runs, fp32 dashed; where a point has more seeds, their mean
+    and std as an error bar beside it. Left: the Q-layers' average width; right: 32 / the
+    saved-activation compression."""
     rows = seed0_rows(records, "text")
     if not rows:
         return None
+    multi = {r["label"]: r for r in summarize(
+        [r for r in records if r["run"].get("steps") is None], "text") if len(r["seeds"]) > 1}
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 5), sharey=True)
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
     for ax, key, xlabel in (
             (axes[0], "strategy_bits", "average width of the Q-layers' saved values (bits)"),
-            (axes[1], "storage_bits", "storage bits per saved value (32 / compression)")):
+            (axes[1], "storage_bits", "32 / saved-activation compression (bits per fp32 value)")):
         for s in STRATEGIES:
             pts = sorted((r[key], r["metric"], r["label"]) for r in rows
                          if r["strategy"] == s and r[key] is not None)
             if not pts:
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=s,
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{s} (seed 0)",
                     **{"linestyle": "-", **STYLE[s]})
-            if s == "acgc":
-                for x, y, lab in pts:
-                    ax.annotate(lab.split()[-1], (x, y), textcoords="offset points",
+            for x, y, lab in pts:
+                m = multi.get(lab)
+                if m is not None and m[key] is not None:
+                    ax.errorbar(m[key] + 0.04, m["metric"], yerr=m["std"], fmt="none",
+                                ecolor=STYLE[s]["color"], elinewidth=1.2, capsize=3,
+                                alpha=0.7)
+                    ax.plot(m[key] + 0.04, m["metric"], marker=STYLE[s]["marker"],
+                            markerfacecolor="white", color=STYLE[s]["color"], linestyle="none")
+                if s in ("acgc", "division"):
+                    ax.annotate(lab.split(" ", 1)[-1], (x, y), textcoords="offset points",
                                 xytext=(4, 4), fontsize=7, color=STYLE[s]["color"])
         if fp32 is not None:
             ax.axhline(fp32["metric"], color="black", linestyle="--",
-                       label=f"fp32 ({fp32['metric']:.3f})")
+                       label=f"fp32, seed 0 ({fp32['metric']:.3f})")
             ax.axhline(fp32["metric"] * 1.01, color="gray", linestyle=":", linewidth=1,
                        label="fp32 + 1%")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss (nats / char)")
     axes[0].legend(fontsize=8)
-    steps = records[0]["setup"].get("steps", TEXT_STEPS) if records else TEXT_STEPS
-    fig.suptitle(f"stdlib char transformer, {steps} steps, seed 0: bits vs validation loss")
+    fig.suptitle(f"stdlib char transformer, {TEXT_STEPS} steps: bits vs validation loss "
+                 f"(lines: seed 0; hollow markers: mean ± std over seeds 0-2 where run)",
+                 fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -441,6 +453,31 @@ def probe_acgc(values: Sequence[float], steps: int, threads: int) -> None:
               flush=True)
 
 
+def division_probe(draws: int = 20) -> List[str]:
+    """Mean squared round-trip error at 2 bits, DIVISION (block 8) against the per-group
+    quantizer (group 256), on two synthetic tensors shaped like the text transformer's:
+    (8, 64, 128) token activations with a per-feature scale and offset, and (8, 4, 64, 64)
+    attention probabilities (softmax over 64 keys of N(0, 3^2) logits)."""
+    import torch
+
+    from actnn_zoo.quant import dequantize, quantize
+    from actnn_zoo.quant.division import division_dequantize, division_quantize
+
+    torch.manual_seed(0)
+    cases = {"activations (8, 64, 128)": torch.randn(8, 64, 128) * torch.rand(1, 1, 128) * 3
+             + torch.randn(1, 1, 128),
+             "attention probs (8, 4, 64, 64)": torch.randn(8, 4, 64, 64).mul(3).softmax(-1)}
+    lines = []
+    for name, x in cases.items():
+        div = sum(float((division_dequantize(division_quantize(x, 2, 8)) - x).square().mean())
+                  for _ in range(draws)) / draws
+        q = sum(float((dequantize(quantize(x, 2, 256)) - x).square().mean())
+                for _ in range(draws)) / draws
+        lines.append(f"{name}: 2-bit MSE division (B=8) {div:.4g}, per-group quantizer "
+                     f"(group 256) {q:.4g}, ratio {div / q:.2f}")
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=str(ROOT / "results" / "bits_vs_loss"),
@@ -455,10 +492,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--report", action="store_true", help="only the tables and the plot")
     ap.add_argument("--list", action="store_true", help="print the plan and what is done")
     ap.add_argument("--probe-acgc", action="store_true")
+    ap.add_argument("--division-probe", action="store_true",
+                    help="DIVISION's round-trip error against the quantizer's, no training")
     args = ap.parse_args(argv)
     directory, results = Path(args.dir), Path(args.results)
     if args.probe_acgc:
         probe_acgc((0.03, 0.1, 0.3, 1.0, 2.0), 30, args.threads)
+        return
+    if args.division_probe:
+        print("\n".join(division_probe()))
         return
     if args.run:
         run = (Run(**json.loads(args.run)) if args.run.lstrip().startswith("{")
