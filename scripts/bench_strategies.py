@@ -288,8 +288,9 @@ def fidelity_rows(base: nn.Module, x: Tensor, y: Tensor, exact: Dict[str, Tensor
     for e in e_scan:
         scan[e] = fidelity(base, {"strategy": "acgc", "error_fraction": e,
                                   "update_interval": 2}, x, y, exact, 2, seed + 2)
-    print("   acgc scan (e: average bits): " + ", ".join(f"{e:g}: {v[2]:.2f}"
-                                                        for e, v in scan.items()))
+    ref_sq = sum(float(g.double().square().sum()) for n, g in exact.items() if WEIGHT(n, base))
+    print("   acgc scan (e: average bits, relative weight-gradient error over 2 passes): "
+          + ", ".join(f"{e:g}: {v[2]:.2f} / {v[0] / ref_sq:.3f}" for e, v in scan.items()))
     best = min(scan, key=lambda e: abs(scan[e][2] - 2.0))
     rows[f"acgc e={best:g}"] = fidelity(base, {"strategy": "acgc", "error_fraction": best,
                                                "update_interval": 2}, x, y, exact, passes,
