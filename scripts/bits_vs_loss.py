@@ -329,6 +329,22 @@ def table(rows: Sequence[Dict[str, Any]], task: str, seeds_filter: Optional[int]
     return "\n".join(lines)
 
 
+def markdown(rows: Sequence[Dict[str, Any]], task: str) -> str:
+    """README table: one line per run label."""
+    text = task == "text"
+    d = 4 if text else 2
+    out = [f"| run | seeds | Q-layer avg bits | saved x (32 / x bits) | "
+           f"{'val loss' if text else 'test acc %'} | fp32, same seeds | "
+           f"{'vs fp32' if text else 'vs fp32 (points)'} |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        met = f"{r['metric']:.{d}f}" + (f" ± {r['std']:.{d}f}" if r["std"] is not None else "")
+        vs = _fmt(r["vs_fp32"], "+.2f") + ("%" if text and r["vs_fp32"] is not None else "")
+        out.append(f"| {r['label']} | {','.join(map(str, r['seeds']))} | "
+                   f"{_fmt(r['strategy_bits'], '.2f') or '-'} | {r['compression']:.1f}x "
+                   f"({r['storage_bits']:.2f}) | {met} | {_fmt(r['fp32'], f'.{d}f')} | {vs} |")
+    return "\n".join(out)
+
+
 def seed0_rows(records: Sequence[Dict[str, Any]], task: str,
                steps: Optional[int] = None) -> List[Dict[str, Any]]:
     """Seed 0 only, runs of ``steps`` text steps (None: TEXT_STEPS)."""
@@ -491,6 +507,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     "name of the plan or the JSON of a Run")
     ap.add_argument("--report", action="store_true", help="only the tables and the plot")
     ap.add_argument("--list", action="store_true", help="print the plan and what is done")
+    ap.add_argument("--markdown", action="store_true", help="print the README's tables")
     ap.add_argument("--probe-acgc", action="store_true")
     ap.add_argument("--division-probe", action="store_true",
                     help="DIVISION's round-trip error against the quantizer's, no training")
@@ -519,6 +536,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.only:
         names = {n.strip() for n in args.only.split(",")}
         runs = [r for r in plan() if r.name in names]
+    if args.markdown:
+        recs = load_records(directory)
+        for task in ("text", "digits"):
+            print(f"\n{task}, seed 0\n" + markdown(seed0_rows(recs, task), task))
+            multi = [r for r in summarize(recs, task) if len(r["seeds"]) > 1]
+            if multi:
+                print(f"\n{task}, seeds\n" + markdown(multi, task))
+            for st in sorted({r["run"].get("steps") for r in recs
+                              if r["run"]["task"] == task} - {None}):
+                print(f"\n{task}, {st} steps\n" + markdown(seed0_rows(recs, task, st), task))
+        return
     if args.list:
         todo = set(r.name for r in pending(runs, directory))
         for r in runs:
