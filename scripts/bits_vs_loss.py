@@ -502,7 +502,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--groups", default="curve,strategies,digits,seeds,long,extra",
                     help="comma list of plan groups to run")
-    ap.add_argument("--only", default=None, help="comma list of run names")
+    ap.add_argument("--only", default=None, help="comma list of run names, run in that order")
     ap.add_argument("--run", default=None, help="train this one run here (child mode): a run "
                     "name of the plan or the JSON of a Run")
     ap.add_argument("--report", action="store_true", help="only the tables and the plot")
@@ -534,8 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     groups = {g.strip() for g in args.groups.split(",") if g.strip()}
     runs = [r for r in plan() if r.group in groups]
     if args.only:
-        names = {n.strip() for n in args.only.split(",")}
-        runs = [r for r in plan() if r.name in names]
+        known = by_name()
+        runs = [known[n.strip()] for n in args.only.split(",") if n.strip()]  # in this order
     if args.markdown:
         recs = load_records(directory)
         for task in ("text", "digits"):
