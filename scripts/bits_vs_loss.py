@@ -375,6 +375,9 @@ def plot(records: Sequence[Dict[str, Any]], out: Path) -> Optional[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 5), sharey=True)
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
+    # the y range of the budget strategies; points above it are drawn on the top edge
+    core = [r["metric"] for r in rows if r["strategy"] in ("fp32", "uniform", "actnn", "gact")]
+    top = max(core) + 0.02 if core else None
     for ax, key, xlabel in (
             (axes[0], "strategy_bits", "average width of the Q-layers' saved values (bits)"),
             (axes[1], "storage_bits", "32 / saved-activation compression (bits per fp32 value)")):
@@ -383,8 +386,15 @@ def plot(records: Sequence[Dict[str, Any]], out: Path) -> Optional[Path]:
                          if r["strategy"] == s and r[key] is not None)
             if not pts:
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{s} (seed 0)",
+            off = [p for p in pts if top is not None and p[1] > top]
+            pts_in = [p for p in pts if p not in off]
+            ax.plot([p[0] for p in pts_in], [p[1] for p in pts_in], label=f"{s} (seed 0)",
                     **{"linestyle": "-", **STYLE[s]})
+            for x, y, lab in off:
+                ax.annotate(f"{lab}: {y:.3f} (off the scale)", (x, top), xytext=(x, top - 0.012),
+                            fontsize=7, color=STYLE[s]["color"], ha="right",
+                            arrowprops=dict(arrowstyle="->", color=STYLE[s]["color"]))
+            pts = pts_in
             for x, y, lab in pts:
                 m = multi.get(lab)
                 if m is not None and m[key] is not None:
@@ -403,6 +413,8 @@ def plot(records: Sequence[Dict[str, Any]], out: Path) -> Optional[Path]:
                        label="fp32 + 1%")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
+        if top is not None:
+            ax.set_ylim(top=top)
     axes[0].set_ylabel("validation loss (nats / char)")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"stdlib char transformer, {TEXT_STEPS} steps: bits vs validation loss "
