@@ -411,6 +411,10 @@ def plot(records: Sequence[Dict[str, Any]], out: Path) -> Optional[Path]:
                        label=f"fp32, seed 0 ({fp32['metric']:.3f})")
             ax.axhline(fp32["metric"] * 1.01, color="gray", linestyle=":", linewidth=1,
                        label="fp32 + 1%")
+        if "fp32" in multi:
+            ax.axhline(multi["fp32"]["metric"], color="black", linestyle="-.", linewidth=0.8,
+                       label=f"fp32, mean of seeds {','.join(map(str, multi['fp32']['seeds']))}"
+                             f" ({multi['fp32']['metric']:.3f})")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         if top is not None:
