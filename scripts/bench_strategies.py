@@ -17,7 +17,14 @@ estimators compared.
    ``actnn_zoo.memory.compression_ratio``) and the median step time (forward + backward)
    relative to uniform 2 bits, all rows timed round-robin in one process.
 
-    .venv/bin/python scripts/bench_strategies.py [--quick]
+``--model text`` runs parts 2-3 on the demo's char transformer (stdlib text) after
+``--steps`` fp32 steps (dropout off), a batch of 32 validation windows of 64 characters;
+``--model gpt2`` on GPT-2 small's configuration (``transformers.GPT2Config()``: 12 layers,
+768 wide, 50257 tokens; random init, dropout off), ``--gpt2-batch`` sequences of 128 tokens
+(the stdlib text's character ids). The weight-gradient variance of those two sums over every
+weight matrix except the embeddings.
+
+    .venv/bin/python scripts/bench_strategies.py [--quick] [--model digits|text|gpt2]
 """
 from __future__ import annotations
 
@@ -40,9 +47,72 @@ import actnn_zoo as az  # noqa: E402
 from actnn_zoo.convert import precision_strategy  # noqa: E402
 from actnn_zoo.data import load_digits_data  # noqa: E402
 from actnn_zoo.memory import compression_ratio, interleaved_step_times  # noqa: E402
-from bench_precision import gradients, is_weight, train_fp32  # noqa: E402
+from bench_precision import is_weight, train_fp32  # noqa: E402
 
 Setup = Optional[Callable[[nn.Module], None]]
+WEIGHT: Callable[[str, nn.Module], bool] = is_weight  # which gradients the variance sums
+
+
+def gradients(model: nn.Module, x: Tensor, y: Tensor) -> Dict[str, Tensor]:
+    """Parameter gradients of the cross-entropy; (N, C) logits or (N, T, V) token logits."""
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def matrix_weight(name: str, model: nn.Module) -> bool:
+    """Every weight matrix except the embeddings (the transformers' 'weight gradient')."""
+    mod = model.get_submodule(name.rpartition(".")[0])
+    p = model.get_parameter(name)
+    return name.endswith("weight") and p.dim() >= 2 and not isinstance(mod, nn.Embedding)
+
+
+class _Logits(nn.Module):
+    """A Hugging Face causal LM that returns the logits tensor."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.lm(input_ids=idx).logits
+
+
+def text_base(steps: int, seed: int) -> Tuple[nn.Module, Tensor, Tensor]:
+    """The demo's char transformer after ``steps`` fp32 steps, dropout off, and a batch of 32
+    validation windows."""
+    from actnn_zoo import demo
+    from actnn_zoo.data import load_text_corpus, random_windows
+
+    setup = demo.TextSetup(steps=steps)
+    corpus = load_text_corpus(setup.num_chars)
+    base = demo.train_text("fp32", setup, seed, corpus, progress=False).model
+    _no_dropout(base)
+    x, y = random_windows(corpus.val, setup.context, 32, torch.Generator().manual_seed(seed))
+    return base, x, y
+
+
+def gpt2_base(batch: int, seed: int) -> Tuple[nn.Module, Tensor, Tensor]:
+    """GPT-2 small's configuration, random init, dropout off; ``batch`` windows of 128 ids."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from actnn_zoo.data import load_text_corpus, random_windows
+
+    torch.manual_seed(seed)
+    base = _Logits(GPT2LMHeadModel(GPT2Config(use_cache=False, resid_pdrop=0.0,
+                                              embd_pdrop=0.0, attn_pdrop=0.0))).train()
+    _no_dropout(base)
+    corpus = load_text_corpus(300_000)
+    x, y = random_windows(corpus.val, 128, batch, torch.Generator().manual_seed(seed))
+    return base, x, y
+
+
+def _no_dropout(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
 
 
 def spearman(a: List[float], b: List[float]) -> float:
@@ -84,7 +154,7 @@ def fidelity(base: nn.Module, cfg: dict, x: Tensor, y: Tensor, exact: Dict[str, 
     for _ in range(passes):
         g = gradients(model, x, y)
         var += sum(float((g[n] - exact[n]).double().square().sum()) for n in g
-                   if is_weight(n, base)) / passes
+                   if WEIGHT(n, base)) / passes
         flat = torch.cat([g[n].flatten() for n in exact]).double()
         cos += float(F.cosine_similarity(flat, flat_exact, dim=0)) / passes
     s = precision_strategy(model)
@@ -110,28 +180,59 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fidelity-only", action="store_true", help="skip part 1")
+    ap.add_argument("--model", choices=("digits", "text", "gpt2"), default="digits",
+                    help="text / gpt2: parts 2-3 only (see the module doc)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="fp32 steps before the measurement (digits 100, text 150)")
+    ap.add_argument("--passes", type=int, default=None, help="compressed passes per row")
+    ap.add_argument("--timing", type=int, default=None, help="timed steps per row per round")
+    ap.add_argument("--gpt2-batch", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    global WEIGHT
     passes, repeats, steps = (8, 2, 30) if args.quick else (24, 4, 100)
-    data = load_digits_data()
-    x, y = data.x_test[:128], data.y_test[:128]
-    base = train_fp32(steps, args.seed)
-    base.dropout.p = 0.0
+    timing = 6 if args.quick else 30
+    scan = (0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
+    if args.model == "digits":
+        steps = args.steps or steps
+        data = load_digits_data()
+        x, y = data.x_test[:128], data.y_test[:128]
+        base = train_fp32(steps, args.seed)
+        base.dropout.p = 0.0
+        what = f"DigitsResNet after {steps} fp32 steps, batch of {len(y)} digits test images"
+    elif args.model == "text":
+        steps = args.steps or 150
+        base, x, y = text_base(steps, args.seed)
+        WEIGHT, scan = matrix_weight, (0.1, 0.3, 1.0, 2.0)
+        what = (f"char transformer (demo) after {steps} fp32 steps, {len(y)} validation "
+                f"windows of {x.shape[1]} characters")
+    else:
+        base, x, y = gpt2_base(args.gpt2_batch, args.seed)
+        WEIGHT, scan = matrix_weight, (0.3, 1.0, 2.0)
+        passes, timing = min(passes, 6), min(timing, 4)
+        what = (f"GPT-2 small config (12x768, vocab 50257), random init, {len(y)} windows of "
+                f"{x.shape[1]} tokens")
+    passes = args.passes or passes
+    timing = args.timing or timing
     exact = gradients(copy.deepcopy(base), x, y)
 
-    print(f"DigitsResNet after {steps} fp32 steps, batch of {len(y)} digits test images")
-    if not args.fidelity_only:
+    print(what)
+    if not args.fidelity_only and args.model == "digits":
         compare(base, x, y, repeats, args.seed)
-    rows = fidelity_rows(base, x, y, exact, passes, args.seed)
-    ratio, speed = saved_and_speed(base, x, y, {k: r[3] for k, r in rows.items()},
-                                   6 if args.quick else 30)
+    rows = fidelity_rows(base, x, y, exact, passes, args.seed, scan)
+    ratio, speed = saved_and_speed(base, x, y, {k: r[3] for k, r in rows.items()}, timing)
     u = rows["uniform 2"][0]
+    # E||g_q - g||^2 / ||g||^2 over the same weights: AC-GC's e bounds it per weight tensor,
+    # so the whole-gradient ratio must stay under e too
+    ref_sq = sum(float(g.double().square().sum()) for n, g in exact.items() if WEIGHT(n, base))
     print(f"   {'strategy':24s} {'avg bits':>8s} {'variance':>10s} {'/ uniform':>9s} "
-          f"{'cosine':>8s} {'saved x':>8s} {'step / uniform':>14s}")
+          f"{'rel err':>8s} {'cosine':>8s} {'saved x':>8s} {'step / uniform':>14s}")
     for name, (v, c, b, _) in rows.items():
-        print(f"   {name:24s} {b:8.3f} {v:10.4g} {v / u:9.3f} {c:8.4f} {ratio[name]:8.2f} "
-              f"{speed[name]:14.3f}")
-    print(f"   (avg bits: the width the strategy chose; for division the residual's width. "
+        print(f"   {name:24s} {b:8.3f} {v:10.4g} {v / u:9.3f} {v / ref_sq:8.4f} {c:8.4f} "
+              f"{ratio[name]:8.2f} {speed[name]:14.3f}")
+    print(f"   (rel err: variance / squared norm of the exact weight gradient. "
+          f"avg bits: the width the strategy chose; for division the residual's width. "
           f"saved x: fp32 saved bytes / compressed, one forward + loss. step: median of the "
           f"round-robin timings, machine shared)")
 
@@ -139,7 +240,7 @@ def main() -> None:
 def saved_and_speed(base: nn.Module, x: Tensor, y: Tensor, models: Dict[str, nn.Module],
                     n: int) -> Tuple[Dict[str, float], Dict[str, float]]:
     """Saved-activation compression vs fp32 and median step time relative to uniform 2."""
-    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    loss = lambda out: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))  # noqa
     ratio = {k: compression_ratio(base, m, x, loss_fn=loss) for k, m in models.items()}
     times = interleaved_step_times({k: (lambda m=m: gradients(m, x, y))
                                     for k, m in models.items()}, n=n, warmup=2, rounds=3)
@@ -165,7 +266,9 @@ def compare(base: nn.Module, x: Tensor, y: Tensor, repeats: int, seed: int) -> N
 
 
 def fidelity_rows(base: nn.Module, x: Tensor, y: Tensor, exact: Dict[str, Tensor],
-                  passes: int, seed: int) -> Dict[str, Tuple[float, float, float, nn.Module]]:
+                  passes: int, seed: int,
+                  e_scan: Tuple[float, ...] = (0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
+                  ) -> Dict[str, Tuple[float, float, float, nn.Module]]:
     """Part 2: every strategy at (about) 2 bits on average."""
     print(f"\n2. gradient fidelity at a 2-bit average, {passes} passes each")
     rows: Dict[str, Tuple[float, float, float, nn.Module]] = {}
@@ -182,11 +285,12 @@ def fidelity_rows(base: nn.Module, x: Tensor, y: Tensor, exact: Dict[str, Tensor
     rows["gact 2 (per-tensor)"] = fidelity(base, {**common, "strategy": "gact"}, x, y, exact,
                                            passes, seed + 2, per_tensor)
     scan = {}
-    for e in (0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0):
+    for e in e_scan:
         scan[e] = fidelity(base, {"strategy": "acgc", "error_fraction": e,
                                   "update_interval": 2}, x, y, exact, 2, seed + 2)
-    print("   acgc scan (e: average bits): " + ", ".join(f"{e:g}: {v[2]:.2f}"
-                                                        for e, v in scan.items()))
+    ref_sq = sum(float(g.double().square().sum()) for n, g in exact.items() if WEIGHT(n, base))
+    print("   acgc scan (e: average bits, relative weight-gradient error over 2 passes): "
+          + ", ".join(f"{e:g}: {v[2]:.2f} / {v[0] / ref_sq:.3f}" for e, v in scan.items()))
     best = min(scan, key=lambda e: abs(scan[e][2] - 2.0))
     rows[f"acgc e={best:g}"] = fidelity(base, {"strategy": "acgc", "error_fraction": best,
                                                "update_interval": 2}, x, y, exact, passes,
