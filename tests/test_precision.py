@@ -633,3 +633,15 @@ def test_checkpointing_batch_changes_autocast_and_accumulation(monkeypatch):
     strategy = precision_strategy(model)
     assert strategy.step == 9 and strategy.updates == 7
     assert all(1.0 <= b <= 8.0 for b in strategy.layer_budgets().values())
+
+
+def test_sample_grad_sq_float64():
+    """A float64 model's output gradient: per-sample squared norms in float32, no narrowing
+    error from vector_norm (the actnn strategy's gradient hook raised on float64 models)."""
+    from actnn_zoo.precision.stats import sample_grad_sq
+
+    g = torch.randn(4, 3, 5, dtype=torch.float64)
+    got = sample_grad_sq(g, 4)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), g.reshape(4, -1).square().sum(1), rtol=1e-6)
+    assert torch.allclose(sample_grad_sq(g, 1).double(), g.square().sum().reshape(1), rtol=1e-6)

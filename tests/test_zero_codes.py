@@ -344,3 +344,18 @@ def test_off_by_default_and_yaml_key(tmp_path):
     cfg.write_text("bits: 2\nrelu_codes: maybe\n")
     with pytest.raises(ValueError, match="relu_codes"):
         az.convert_model(ReluLinear(), str(cfg))
+
+
+def test_float64_model():
+    """A float64 model: the consumer's payload is quantized through float32 as the layers do,
+    and ReLU's gradient is still torch's, bit for bit."""
+    torch.manual_seed(0)
+    ref = ReluLinear().double()
+    model = az.convert_model(copy.deepcopy(ref), relu_codes=True)
+    for _ in range(3):
+        x = torch.randn(64, 48, dtype=torch.float64)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref(x1).square().mean().backward()
+        model(x2).square().mean().backward()
+        assert torch.equal(x1.grad, x2.grad)
+    assert model.relu._zero_codes.enabled

@@ -23,7 +23,6 @@ the payloads autograd holds remain.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -166,6 +165,13 @@ def save_probe(store: Optional["CompressedStore"] = None) -> None:
         probe.mul(probe)
 
 
+def _zero_exact(x: Tensor, bits: Bits, group_size: int, rounding: str) -> QuantizedTensor:
+    """``quantize(..., zero_exact=True)``, float64 through a float32 copy (as the layers do)."""
+    if x.dtype == torch.float64:
+        x = x.float()
+    return quantize(x, bits, group_size, rounding=rounding, zero_exact=True)
+
+
 def _at_least_2(bits: Bits) -> Bits:
     """Widths with every 1 raised to 2: zero-exact codes need two positive levels. The bound
     of :class:`SampleBits` grows by the rows raised, counted on CPU (free there); on other
@@ -289,7 +295,7 @@ class CompressedStore:
         claim = self._claims.pop(memory, None) if memory is not None else None
         if claim is not None:
             bits = _at_least_2(bits)
-            quantize_fn = functools.partial(quantize, zero_exact=True)
+            quantize_fn = _zero_exact
         elif memory is not None:
             offer = self._offers.pop(memory, None)
             if offer is not None and offer[0]() is not None:
