@@ -10,6 +10,7 @@
 // Parallel over (sample, 8 consecutive maps): 8 maps of any size at any width in {1, 2, 4, 8}
 // end on a byte boundary, so no two tasks write the same byte.
 #include "kernels.h"
+#include "bf16_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -36,36 +37,6 @@ at::Tensor division_dequantize_cuda(const at::Tensor& data, const at::Tensor& lo
 namespace {
 
 constexpr int64_t kMapsPerTask = 8;  // 8 maps end on a byte boundary at every width
-constexpr uint16_t kBf16NaN = 0x7FC0;
-constexpr float kMinStep = 0x1p-126f;
-constexpr uint16_t kMinStepBf16 = 0x0080;
-
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float bf16_value(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
-// Smallest bf16 >= v (reference.round_up_bf16), by truncation plus one ulp of magnitude.
-inline uint16_t bf16_round_up(float v) {
-  const uint32_t u = float_bits(v);
-  const uint16_t hi = static_cast<uint16_t>(u >> 16);
-  return ((u & 0xFFFFu) != 0 && (u >> 31) == 0) ? static_cast<uint16_t>(hi + 1) : hi;
-}
-inline uint16_t bf16_next_up(uint16_t b) {
-  return (b & 0x8000u) ? static_cast<uint16_t>(b - 1) : static_cast<uint16_t>(b + 1);
-}
-// Round to nearest even, as torch's float32 -> bfloat16 conversion (NaN -> 0x7FC0).
-inline uint16_t bf16_from_float(float v) {
-  const uint32_t u = float_bits(v);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (v != v) ? kBf16NaN : static_cast<uint16_t>(r);
-}
 
 struct Geometry {
   int64_t n, c, d1, d2, d3, s;  // s = d1 * d2 * d3 values per map

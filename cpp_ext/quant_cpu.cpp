@@ -10,6 +10,7 @@
 // -O3 -march=native (check with -fopt-info-vec). -ffp-contract=off keeps every fp32 operation
 // separately rounded, as in the reference.
 #include "kernels.h"
+#include "bf16_cpu.h"
 
 #include <ATen/Parallel.h>
 
@@ -39,48 +40,7 @@ namespace {
 
 constexpr int kBlock = 256;           // values per quantization block (codes kept in L1)
 constexpr int kChunk = 64;            // values per dequantization chunk (then units of 16)
-constexpr uint16_t kBf16NaN = 0x7FC0;  // what torch.tensor(nan, dtype=bfloat16) holds
 constexpr uint32_t kHashC1 = 0x85EBCA6Bu;
-constexpr float kMinStep = 0x1p-126f;        // reference.MIN_STEP
-constexpr uint16_t kMinStepBf16 = 0x0080;     // the same value in bf16
-
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float bf16_value(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
-
-// Directed rounding to bf16 by truncating the low 16 bits: truncation goes toward zero, which
-// is the wanted direction for one sign; for the other sign a dropped nonzero tail means one
-// more ulp of magnitude. Same result as the reference's round-to-nearest-then-correct,
-// including overflow to -inf (round down) and +inf (round up).
-inline uint16_t bf16_round_down(float v) {
-  const uint32_t u = float_bits(v);
-  const uint16_t hi = static_cast<uint16_t>(u >> 16);
-  return ((u & 0xFFFFu) != 0 && (u >> 31) != 0) ? static_cast<uint16_t>(hi + 1) : hi;
-}
-inline uint16_t bf16_round_up(float v) {
-  const uint32_t u = float_bits(v);
-  const uint16_t hi = static_cast<uint16_t>(u >> 16);
-  return ((u & 0xFFFFu) != 0 && (u >> 31) == 0) ? static_cast<uint16_t>(hi + 1) : hi;
-}
-// The reference's _bf16_step(b, toward_larger=True): one ulp up through the bit pattern.
-inline uint16_t bf16_next_up(uint16_t b) {
-  return (b & 0x8000u) ? static_cast<uint16_t>(b - 1) : static_cast<uint16_t>(b + 1);
-}
-
-// Round-to-nearest-even float -> bf16, as c10::BFloat16 does (NaN -> 0x7FC0), branch-free.
-inline uint16_t bf16_from_float(float v) {
-  const uint32_t u = float_bits(v);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (v != v) ? kBf16NaN : static_cast<uint16_t>(r);
-}
 
 inline int64_t row_bytes(int64_t d, int b) { return (d * b + 7) / 8; }
 
@@ -485,19 +445,25 @@ void dequantize_group(const uint8_t* in, int64_t len, float lo, float step, TO* 
 }
 
 // A zero-exact group (reference.dequantize): code 0 -> 0, code q -> (q - 1) * step + lo.
+// The n <= 16 codes of a group starting at value e, as floats (exactly), into q[16].
+template <int B>
+AZ_INLINE void codes16(const uint8_t* in, int64_t e, int n, float* __restrict q) {
+  if (n == 16) {
+    dequantize_unit<B>(in + e * B / 8, 0.0f, 1.0f, q);
+  } else {
+    alignas(16) uint8_t packed[16] = {0};
+    std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(n, B)));
+    dequantize_unit<B>(packed, 0.0f, 1.0f, q);
+  }
+}
+
 template <int B, typename TO>
 void dequantize_group_zero(const uint8_t* in, int64_t len, float lo, float step, TO* out) {
   alignas(64) float q[16];
   alignas(64) float v[16];
   for (int64_t e = 0; e < len; e += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - e));
-    if (n == 16) {
-      dequantize_unit<B>(in + e * B / 8, 0.0f, 1.0f, q);  // the codes as floats, exactly
-    } else {
-      alignas(16) uint8_t packed[16] = {0};
-      std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(n, B)));
-      dequantize_unit<B>(packed, 0.0f, 1.0f, q);
-    }
+    codes16<B>(in, e, n, q);
 #pragma omp simd
     for (int k = 0; k < 16; ++k) {
       const float s = (q[k] - 1.0f) * step;
@@ -988,13 +954,7 @@ void codes_select_group(const uint8_t* in, int64_t len, const W* g, W* out) {
   alignas(64) float q[16];
   for (int64_t e = 0; e < len; e += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - e));
-    if (n == 16) {
-      dequantize_unit<B>(in + e * B / 8, 0.0f, 1.0f, q);
-    } else {
-      alignas(16) uint8_t packed[16] = {0};
-      std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(n, B)));
-      dequantize_unit<B>(packed, 0.0f, 1.0f, q);
-    }
+    codes16<B>(in, e, n, q);
     for (int k = 0; k < n; ++k) out[e + k] = q[k] != 0.0f ? g[e + k] : W{0};
   }
 }

@@ -40,7 +40,7 @@ from .api import (SUPPORTED_DTYPES, Bits, _capacity, _row_bits, _uniform_offsets
                   check_sample_bits, draw_seed)
 from .backend import kernels
 from .reference import row_offsets
-from .tensor import QuantizedTensor
+from .tensor import CompressedPayload, QuantizedTensor
 
 COMPRESSORS = ("quant", "division")
 DEFAULT_BLOCK = 8
@@ -62,7 +62,7 @@ def check_compressor(value: object, name: str = "compressor") -> str:
 
 
 @dataclass(frozen=True)
-class DivisionTensor:
+class DivisionTensor(CompressedPayload):
     """A feature map compressed by DIVISION.
 
     ``data``: residual codes, row n (sample n, all its C maps) at byte ``offsets[n]``; ``low``:
@@ -83,29 +83,8 @@ class DivisionTensor:
     offsets: Optional[Tensor] = None
 
     @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def mixed(self) -> bool:
-        return self.row_bits is not None
-
-    @property
     def has_low(self) -> bool:
         return self.low.numel() > 0
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Every byte kept: codes, low part, per-map ranges, per-sample widths/offsets."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    @property
-    def bits_per_value(self) -> float:
-        n = self.numel()
-        return 8.0 * self.nbytes / n if n else 0.0
 
     def tensors(self) -> Tuple[Tensor, ...]:
         base = (self.data, self.low, self.lo, self.step)

@@ -8,8 +8,36 @@ import torch
 from torch import Tensor
 
 
+class CompressedPayload:
+    """What every compressed form answers from its fields ``data``, ``shape``, ``row_bits`` and
+    its :meth:`tensors` (shared by :class:`QuantizedTensor` and DIVISION's tensor)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def mixed(self) -> bool:
+        """True when each sample has its own width (``row_bits`` is set)."""
+        return self.row_bits is not None
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this object keeps alive: codes, metadata, per-sample widths/offsets."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def bits_per_value(self) -> float:
+        """Average storage cost per original value, metadata included."""
+        n = self.numel()
+        return 8.0 * self.nbytes / n if n else 0.0
+
+
 @dataclass(frozen=True)
-class QuantizedTensor:
+class QuantizedTensor(CompressedPayload):
     """Packed codes plus the per-group metadata needed to reconstruct a tensor.
 
     ``data`` holds the codes of every row, row ``n`` starting at byte ``offsets[n]``; ``lo`` and
@@ -36,29 +64,6 @@ class QuantizedTensor:
     transform: str = "none"
     transform_seed: int = 0
     zero_exact: bool = False
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def mixed(self) -> bool:
-        """True when each sample has its own width (``row_bits`` is set)."""
-        return self.row_bits is not None
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Every byte this object keeps alive: codes, metadata, and per-sample widths/offsets."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    @property
-    def bits_per_value(self) -> float:
-        """Average storage cost per original value, metadata included."""
-        n = self.numel()
-        return 8.0 * self.nbytes / n if n else 0.0
 
     # -- autograd integration: everything saved goes through ctx.save_for_backward ----------
     def tensors(self) -> Tuple[Tensor, ...]:
