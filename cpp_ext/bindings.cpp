@@ -15,6 +15,7 @@ namespace py = pybind11;
 
 namespace actnn_zoo {
 void register_division(pybind11::module_& m);  // division_cpu.cpp
+void register_pack_compare(pybind11::module_& m);  // pack_compare_cpu.cpp
 }  // namespace actnn_zoo
 
 namespace {
@@ -178,6 +179,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "`extra` bits above 1 each (precision.solver.allocate_samples).");
   actnn_zoo::register_hadamard(m);
   actnn_zoo::register_division(m);  // division_quantize, division_dequantize
+  actnn_zoo::register_pack_compare(m);
 #ifdef ACTNN_ZOO_CUDA
   m.attr("has_cuda") = py::bool_(true);
 #else

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
-"""The training step's peak memory and time: fp32, checkpointing, and the 2-bit default with
-the backward decoding saved inputs whole (the default) and in four chunks of samples
-(``backward_chunks: 4``), ratios from one run.
+"""The training step's peak memory and time: fp32, checkpointing, the 2-bit default (and
+uniform 2 bits) with the backward decoding saved inputs whole (the default) and in four chunks
+of samples (``backward_chunks: 4``), ratios from one run. The batch-1 cases measure the fixed
+cost per step (Python and dispatch of every Q-layer call).
 
 Peaks: each mode in a fresh child process (``actnn_zoo.memory.spec_peak_memory``: VmHWM over
 the warmed-up resident set, every large tensor its own mapping). Times: all modes in this
 process, round-robin (``interleaved_step_times``), median per step. E.g.
     .venv/bin/python scripts/bench_step.py --json results/bench_step.json
     .venv/bin/python scripts/bench_step.py --cases resnet:256 --no-time
+    .venv/bin/python scripts/bench_step.py --cases resnet:1,resnet:128 --no-peak \
+        --modes "2-bit (default),2-bit uniform"
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ import torch  # noqa: E402
 from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times, spec_peak_memory  # noqa: E402
 
 CASES = {  # name -> (model, batch, model kwargs)
+    "resnet:1": ("resnet", 1, {}),  # the per-layer fixed cost (Python, dispatch)
+    "transformer_encoder:1": ("transformer_encoder", 1, {}),
     "resnet:256": ("resnet", 256, {}),
     "resnet:128": ("resnet", 128, {}),
     "resnet:512": ("resnet", 512, {}),
@@ -41,6 +46,7 @@ def modes(model: str, batch: int, kwargs: Dict[str, Any]) -> Dict[str, StepSpec]
         "fp32": base,
         "checkpoint": dataclasses.replace(base, mode="checkpoint"),
         "2-bit (default)": dataclasses.replace(base, mode="bits", bits=None),
+        "2-bit uniform": dataclasses.replace(base, mode="bits", bits=2, strategy="uniform"),
         "2-bit, chunks 4": dataclasses.replace(base, mode="bits", bits=None,
                                                config={"backward_chunks": 4}),
     }
@@ -50,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="resnet:256,resnet6+6:512,transformer_encoder:32,gpt2:32",
                    help=f"comma list of {', '.join(CASES)}")
+    p.add_argument("--modes", default=None,
+                   help="comma list of the modes to run (fp32 always runs: the ratios' base)")
     p.add_argument("--no-time", action="store_true", help="peaks only")
     p.add_argument("--no-peak", action="store_true", help="times only")
     p.add_argument("--steps", type=int, default=15, help="timed steps per mode")
@@ -63,6 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"unknown case {case!r}; known: {', '.join(CASES)}")
         model, batch, kwargs = CASES[case]
         specs = modes(model, batch, kwargs)
+        if args.modes:
+            wanted = {"fp32"} | set(args.modes.split(","))
+            unknown = wanted - set(specs)
+            if unknown:
+                p.error(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(specs)}")
+            specs = {m: s for m, s in specs.items() if m in wanted}
         peaks = {} if args.no_peak else {m: spec_peak_memory(s) for m, s in specs.items()}
         times = {}
         if not args.no_time:

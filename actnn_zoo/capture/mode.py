@@ -4,18 +4,25 @@ Public API only (``torch.overrides.TorchFunctionMode``). While the mode runs a h
 takes the mode off the stack, so the torch calls a handler (or a Function's forward) makes are
 not routed again; inside any autograd Function's forward grad mode is off and the mode passes
 every call through, so the zoo's Q-layers and other custom Functions are never routed twice.
-Unlisted calls cost one dict lookup.
+Unlisted calls cost one dict lookup -- but every one of them, tensor attribute reads included,
+is a Python call into the mode (~1-2 us), and a Q-layer's own glue and autograd Function make
+about a hundred such calls per layer. A Q-layer therefore runs its whole call through the mode
+once (:func:`call_unrouted`), so torch takes the mode off the stack while the layer runs.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
 from .handlers import Handler
 
-__all__ = ["CaptureMode"]
+__all__ = ["CaptureMode", "call_unrouted"]
+
+# A constant plain tensor for has_torch_function, which consults modes only when it is given a
+# tensor (with no arguments it answers False whatever is on the mode stack).
+_PLAIN = (torch.empty(0),)
 
 
 class CaptureMode(TorchFunctionMode):
@@ -31,3 +38,18 @@ class CaptureMode(TorchFunctionMode):
         if handler is None or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         return handler(self.session, func, args, kwargs)
+
+
+def call_unrouted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with the innermost torch function mode off the stack.
+
+    torch's override protocol for Python functions (``handle_torch_function`` with no relevant
+    arguments) hands ``fn`` to the innermost mode and pops that mode while it runs; the capture
+    mode passes an unlisted ``fn`` straight through, so nothing inside is routed or pays the
+    mode's per-call cost. Only for code that must not be routed (a Q-layer that saves through
+    its own Function). Tensor subclasses among the arguments are not consulted here: their
+    ``__torch_function__`` still sees every torch call ``fn`` makes.
+    """
+    if has_torch_function(_PLAIN):  # a plain tensor overridden: a torch function mode is on
+        return handle_torch_function(fn, (), *args, **kwargs)
+    return fn(*args, **kwargs)

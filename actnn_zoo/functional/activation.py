@@ -23,7 +23,7 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..capture.session import active_session
 from ..capture.store import ZeroCodeClaim, ZeroCodeSlot, save_probe
-from ..quant import Bits, masked_grad_codes, pack_mask, unpack_mask
+from ..quant import Bits, masked_grad_codes, pack_compare, pack_mask, unpack_mask
 from ..quant.api import masked_grad
 from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 
@@ -150,22 +150,20 @@ class MaskActivationFunction(torch.autograd.Function):
             slot.waiting = ("claim", ctx.claim)  # registered by relu() once out is final
             save(ctx)
             return out
+        # The mask, packed in one read of x (quant.pack_compare), with torch's backward predicate
         if op == "relu":  # threshold_backward(grad, result, 0): result <= 0 -> 0
-            mask = ~(x <= 0)
-            other = 0.0
+            kind, lo, hi, other = "not_le", 0.0, 0.0, 0.0
         elif op == "leaky_relu":  # leaky_relu_backward: x > 0 ? grad : grad * slope
-            mask = x > 0
-            other = a
+            kind, lo, hi, other = "gt", 0.0, 0.0, a
         elif op == "hardtanh":  # hardtanh_backward: x <= min || x >= max -> 0
             # At NaN torch's vectorised loop gives 0 and its scalar tail the gradient; we give 0.
+            kind, other = "between", 0.0
             lo, hi = _bound(a, x.dtype, up=False), _bound(b, x.dtype, up=True)
-            mask = (x > lo) & (x < hi)
-            other = 0.0
         else:
             raise ValueError(f"unknown mask activation {op!r}; expected one of {_MASK_OPS}")
         perm = memory_perm(x)
-        packed, mshape = save_mask(mask, perm)
-        del mask
+        xm = to_memory_order(x, perm)
+        packed, mshape = pack_compare(xm, kind, lo, hi), xm.shape
         if op == "relu":
             out = F.relu(x, inplace=inplace)
         elif op == "leaky_relu":

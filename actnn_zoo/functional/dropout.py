@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ._saving import load, save
-from .activation import load_mask, masked_grad_in, memory_perm, save_mask
+from ..quant import pack_compare
+from .activation import load_mask, masked_grad_in, memory_perm, to_memory_order
 
 __all__ = ["DropoutFunction", "dropout", "dropout1d", "dropout2d", "dropout3d"]
 
@@ -41,7 +42,8 @@ class DropoutFunction(torch.autograd.Function):
             noise = x.new_empty(noise_shape)
         noise.bernoulli_(1 - p)
         perm = memory_perm(noise)
-        packed, mshape = save_mask(noise != 0, perm)
+        kept = to_memory_order(noise, perm)
+        packed, mshape = pack_compare(kept, "gt", 0.0), kept.shape  # the bits of noise != 0
         noise.div_(1 - p)
         if inplace:
             out = x.mul_(noise)

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from .._torch_private import clone_module_state
+from ..capture.mode import call_unrouted
+from ..capture.session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, SampleBits
 
@@ -37,6 +39,10 @@ def same_forward(cls: type, base: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, base) and cls.forward is base.forward
 
 
+def _module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return nn.Module.__call__(module, *args, **kwargs)
+
+
 class QModule:
     """Mixin for Q-layers. Subclasses list the torch class they replace in ``_FLOAT_MODULE``.
 
@@ -61,6 +67,15 @@ class QModule:
         self.qconfig = qconfig
         self.sample_bits = None
         self.precision_stats = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Under a capture session, a layer that saves through its own Function runs with the
+        # capture mode off the stack: nothing it does needs routing, and the mode would cost a
+        # Python call per torch call and attribute read (capture/mode.py, call_unrouted).
+        if active_session() is not None and self.quantizing() \
+                and not torch.compiler.is_compiling():
+            return call_unrouted(_module_call, self, *args, **kwargs)
+        return nn.Module.__call__(self, *args, **kwargs)
 
     def quantizing(self) -> bool:
         """True when the next forward should save compressed tensors (training with grad)."""

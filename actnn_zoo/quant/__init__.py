@@ -1,10 +1,10 @@
 """Per-group stochastic quantization of activation tensors, and 1-bit mask packing."""
 from .api import (SUPPORTED_BITS, Bits, SampleBits, check_bits, check_group_size, dequantize,
                   dequantize_rows, masked_grad_codes,
-                  pack_mask, quantize, unpack_mask)
+                  pack_compare, pack_mask, quantize, unpack_mask)
 from .backend import backend_name
 from .tensor import QuantizedTensor
 
 __all__ = ["QuantizedTensor", "SampleBits", "Bits", "quantize", "dequantize", "dequantize_rows",
-           "masked_grad_codes", "pack_mask",
+           "masked_grad_codes", "pack_compare", "pack_mask",
            "unpack_mask", "backend_name", "SUPPORTED_BITS", "check_bits", "check_group_size"]

@@ -16,6 +16,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import reference
 from .backend import kernels
 from .hadamard import check_transform, check_transform_group, hadamard_
 from .reference import row_offsets
@@ -350,6 +351,27 @@ def pack_mask(mask: Tensor) -> Tensor:
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=mask.device)
     return kernels(mask.device).pack_mask(flat)
+
+
+def pack_compare(x: Tensor, kind: str, lo: float = 0.0, hi: float = 0.0) -> Tensor:
+    """``pack_mask`` of a comparison of ``x``, made in one read of ``x`` with no bool tensor.
+
+    ``kind``: ``"not_le"`` (``~(x <= lo)``, ReLU's backward predicate, true at NaN), ``"gt"``
+    (``x > lo``, LeakyReLU's) or ``"between"`` (``(x > lo) & (x < hi)``, Hardtanh's). ``x`` is
+    read in memory order when contiguous (any shape, flattened as ``x.reshape(-1)``); ``lo`` /
+    ``hi`` must be exactly representable in ``x``'s dtype (the mask then equals torch's
+    comparison in that dtype). Bit-identical to ``pack_mask(<the comparison>)``, which runs
+    instead for other dtypes or without compiled kernels.
+    """
+    if kind not in reference.COMPARE_KINDS:
+        raise ValueError(f"pack_compare kind must be one of {reference.COMPARE_KINDS}, "
+                         f"got {kind!r}")
+    code = reference.COMPARE_KINDS.index(kind)
+    flat = x.reshape(-1)
+    fn = getattr(kernels(x.device), "pack_compare", None)
+    if fn is None or x.dtype not in _MASKED_GRAD_DTYPES or flat.numel() == 0:
+        return pack_mask(reference.compare(flat, code, lo, hi))
+    return fn(flat.contiguous(), code, float(lo), float(hi))
 
 
 def unpack_mask(packed: Tensor, shape: Union[torch.Size, tuple]) -> Tensor:

@@ -19,8 +19,8 @@ from . import reference
 
 _SOURCES = Path(__file__).resolve().parents[2] / "cpp_ext"
 CPU_SOURCES = ("quant_cpu.cpp", "widths_cpu.cpp", "bindings.cpp", "hadamard_cpu.cpp",
-               "division_cpu.cpp")
-CUDA_SOURCES = ("quant_cuda.cu", "hadamard_cuda.cu", "division_cuda.cu")
+               "division_cpu.cpp", "pack_compare_cpu.cpp")
+CUDA_SOURCES = ("quant_cuda.cu", "hadamard_cuda.cu", "division_cuda.cu", "pack_compare_cuda.cu")
 # Portable by default: -march=native in a wheel or a shared JIT cache dies with SIGILL on an
 # older CPU. ACTNN_ZOO_NATIVE=1 opts in (setup.py reads the same variable); the kernels are
 # memory-bound and the portable build measured within noise of native (README, "Kernels").
@@ -40,8 +40,8 @@ def _jit_build() -> ModuleType:
         sources += [str(_SOURCES / s) for s in CUDA_SOURCES]
         extra = {"extra_cuda_cflags": NVCC_FLAGS + ["-DACTNN_ZOO_CUDA"]}
     cflags = CXX_FLAGS + (["-DACTNN_ZOO_CUDA"] if cuda else [])
-    return load(name="actnn_zoo_C_native" if NATIVE else "actnn_zoo_C", sources=sources, extra_cflags=cflags,
-                extra_ldflags=LD_FLAGS, verbose=False, **extra)
+    return load(name="actnn_zoo_C_native" if NATIVE else "actnn_zoo_C", sources=sources,
+                extra_cflags=cflags, extra_ldflags=LD_FLAGS, verbose=False, **extra)
 
 
 @functools.lru_cache(maxsize=None)

@@ -309,5 +309,23 @@ def pack_mask(mask: Tensor) -> Tensor:
     return _pack_rows(mask.reshape(1, n).to(torch.uint8), 1).reshape(-1)
 
 
+COMPARE_KINDS = ("not_le", "gt", "between")  # kind codes 0, 1, 2 of pack_compare
+
+
+def compare(x: Tensor, kind: int, lo: float, hi: float) -> Tensor:
+    """The predicate of :func:`pack_compare` as a bool tensor of ``x``'s shape."""
+    if kind == 0:
+        return ~(x <= lo)
+    if kind == 1:
+        return x > lo
+    return (x > lo) & (x < hi)
+
+
+def pack_compare(x: Tensor, kind: int, lo: float, hi: float) -> Tensor:
+    """``pack_mask`` of a comparison of a flat contiguous float tensor: kind 0 ``!(x <= lo)``,
+    1 ``x > lo``, 2 ``lo < x < hi`` (``lo``/``hi`` exactly representable in ``x``'s dtype)."""
+    return pack_mask(compare(x, kind, lo, hi))
+
+
 def unpack_mask(packed: Tensor, numel: int) -> Tensor:
     return _unpack_rows(packed.reshape(1, -1), 1, numel).reshape(-1).bool()
