@@ -6,6 +6,7 @@
 // one check of a flag, unlike a Python `record_function`, which costs an operator call each time.
 #include "kernels.h"
 #include "hadamard.h"
+#include "isa_cpu.h"
 
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
@@ -180,6 +181,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   actnn_zoo::register_hadamard(m);
   actnn_zoo::register_division(m);  // division_quantize, division_dequantize
   actnn_zoo::register_pack_compare(m);
+  m.def("cpu_isa", &actnn_zoo::cpu_isa,
+        "The instruction set the CPU kernels' loops run with: 'avx2' or 'baseline' (portable "
+        "build, chosen at the first call from the CPU and ACTNN_ZOO_CPU_ISA), 'native'.");
 #ifdef ACTNN_ZOO_CUDA
   m.attr("has_cuda") = py::bool_(true);
 #else

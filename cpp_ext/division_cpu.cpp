@@ -11,6 +11,7 @@
 // end on a byte boundary, so no two tasks write the same byte.
 #include "kernels.h"
 #include "bf16_cpu.h"
+#include "isa_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -127,7 +128,7 @@ void quantize_impl(const T* x, const Geometry& g, const uint8_t* bits, const int
                    float* lo, uint16_t* step) {
   const int64_t chunks = (g.c + kMapsPerTask - 1) / kMapsPerTask;
   const int64_t d = g.c * g.s;
-  at::parallel_for(0, g.n * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, g.n * chunks, 1, [&](int64_t begin, int64_t end) { run_fast([&] {
     std::vector<double> sums(has_low ? g.nblocks : 0);
     std::vector<float> low_f(has_low ? g.nblocks : 0);
     std::vector<float> r(g.s);
@@ -164,7 +165,7 @@ void quantize_impl(const T* x, const Geometry& g, const uint8_t* bits, const int
         }
       }
     }
-  });
+  }); });
 }
 
 template <typename T>
@@ -172,7 +173,7 @@ void dequantize_impl(const uint8_t* data, const Geometry& g, const uint8_t* bits
                      const int64_t* offsets, bool has_low, const uint16_t* low, const float* lo,
                      const uint16_t* step, T* out) {
   const int64_t chunks = (g.c + kMapsPerTask - 1) / kMapsPerTask;
-  at::parallel_for(0, g.n * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, g.n * chunks, 1, [&](int64_t begin, int64_t end) { run_fast([&] {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / chunks;
       const int64_t c0 = (task % chunks) * kMapsPerTask;
@@ -202,7 +203,7 @@ void dequantize_impl(const uint8_t* data, const Geometry& g, const uint8_t* bits
         }
       }
     }
-  });
+  }); });
 }
 
 void check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n, int64_t d,

@@ -13,6 +13,7 @@
 //   kind 1 "gt":      v > lo              LeakyReLU's backward (NaN -> 0)
 //   kind 2 "between": v > lo && v < hi    Hardtanh / ReLU6 (NaN -> 0)
 #include "kernels.h"
+#include "isa_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -60,15 +61,19 @@ template <int kKind, typename T, typename C>
 void pack_compare_impl(const T* x, int64_t n, C lo, C hi, uint8_t* out) {
   const int64_t blocks = n / kPackBlock;
   at::parallel_for(0, blocks, kBytesPerTask / (kPackBlock / 8), [&](int64_t begin, int64_t end) {
-    alignas(64) uint8_t m[kPackBlock];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const T* v = x + blk * kPackBlock;
+    run_fast([&] {
+      alignas(64) uint8_t m[kPackBlock];
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const T* v = x + blk * kPackBlock;
 #pragma omp simd
-      for (int k = 0; k < kPackBlock; ++k) {
-        m[k] = static_cast<uint8_t>(predicate<kKind, C>(static_cast<C>(v[k]), lo, hi));
+        for (int k = 0; k < kPackBlock; ++k) {
+          m[k] = static_cast<uint8_t>(predicate<kKind, C>(static_cast<C>(v[k]), lo, hi));
+        }
+        for (int j = 0; j < kPackBlock / 8; ++j) {
+          out[blk * (kPackBlock / 8) + j] = gather8(m + 8 * j);
+        }
       }
-      for (int j = 0; j < kPackBlock / 8; ++j) out[blk * (kPackBlock / 8) + j] = gather8(m + 8 * j);
-    }
+    });
   });
   for (int64_t i = blocks * kPackBlock; i < n; i += 8) {  // the tail, byte by byte
     uint32_t byte = 0;

@@ -22,6 +22,10 @@ Mask backward (ReLU / Dropout of the same tensor): torch's own backward of fp32 
 unfused zoo path (unpack the 1-bit mask to bool, then torch.where / a product) and the fused
 kernel (quant.masked_grad: grad and the bits in one pass), each as a ratio to
 threshold_backward.
+
+Mask forward (what a QReLU saves): the unfused packing (``x <= 0`` into a bool tensor, its
+negation, then pack_mask) and the fused kernel (quant.pack_compare: 8 inputs -> 1 byte in one
+read of x), as a ratio to torch.relu of the same tensor (the op the layer runs anyway).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import torch
 
 import actnn_zoo as az
 from actnn_zoo.quant import reference as R
-from actnn_zoo.quant.api import _masked_grad_torch, masked_grad, pack_mask
+from actnn_zoo.quant.api import _masked_grad_torch, masked_grad, pack_compare, pack_mask
 from actnn_zoo.quant.backend import extension
 
 WIDTHS = (1, 2, 4, 8)
@@ -135,6 +139,11 @@ def main() -> None:
             "dropout unfused": lambda: _masked_grad_torch(grad, drop_bits, 2.0, 0.0),
             "dropout fused": lambda: masked_grad(grad, drop_bits, 2.0, 0.0),
         }
+        mask_fns.update({
+            "torch.relu": lambda: torch.relu(x),
+            "pack unfused": lambda: pack_mask(~(x <= 0)),
+            "pack_compare": lambda: pack_compare(x, "not_le"),
+        })
         for name, fn in mask_fns.items():
             t, y = timed(fn)
             del y
@@ -171,6 +180,12 @@ def main() -> None:
                  "dropout unfused", "dropout fused"):
         t = med[("mask", name)]
         print(f"  {name:<20} {t * 1e3:9.2f} ms  {t / tb:6.2f}x   {t / clone:6.2f}x clone")
+    tr = med[("mask", "torch.relu")]
+    print(f"\nReLU mask forward of the same tensor, ratio = time / torch.relu time "
+          f"({tr * 1e3:.2f} ms):")
+    for name in ("torch.relu", "pack unfused", "pack_compare"):
+        t = med[("mask", name)]
+        print(f"  {name:<20} {t * 1e3:9.2f} ms  {t / tr:6.2f}x   {t / clone:6.2f}x clone")
 
 
 if __name__ == "__main__":

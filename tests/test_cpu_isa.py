@@ -1,0 +1,92 @@
+"""The CPU kernels give the same bits on the portable path and the AVX2 path (cpp_ext/isa_cpu.h).
+
+A portable build runs its hot loops through an AVX2 copy when the CPU has AVX2; the process-wide
+choice is made once, so the portable path is run in a child process with
+ACTNN_ZOO_CPU_ISA=baseline and its outputs compared with this process's, bit for bit: codes,
+metadata and decoded values at every width and dtype, per-sample widths, zero-exact codes, the
+fused mask backward, the packed comparisons and DIVISION's kernels, on odd sizes (tails shorter
+than a vector).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _ext import compiled_extension  # tests/_ext.py: skip here, fail in CI when not built
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import sys, torch
+from actnn_zoo import _C
+import actnn_zoo.quant as Q
+from actnn_zoo.quant.division import division_dequantize, division_quantize
+from actnn_zoo.quant import SampleBits
+from actnn_zoo.quant.api import masked_grad
+
+def outputs():
+    out = {"isa": _C.cpu_isa()}
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = (torch.randn(5, 3, 331, generator=g) * 3).to(dtype)
+        for bits in (1, 2, 4, 8):
+            q = Q.quantize(x, bits, 64, seed=11)
+            out[f"{dtype}-{bits}"] = (q.data, q.lo, q.step, Q.dequantize(q))
+        sb = torch.tensor([1, 2, 4, 8, 2], dtype=torch.uint8)
+        q = Q.quantize(x, sb, 128, seed=3)
+        out[f"{dtype}-sample"] = (q.data, q.lo, q.step, Q.dequantize(q))
+        r = torch.relu(x)
+        q = Q.quantize(r, 2, 64, seed=5, zero_exact=True)
+        grad = torch.randn(r.shape, generator=g).to(dtype)
+        out[f"{dtype}-zero"] = (q.data, q.step, Q.dequantize(q), Q.masked_grad_codes(grad, q))
+        packed = Q.pack_compare(x, "not_le")
+        out[f"{dtype}-mask"] = (packed, Q.pack_compare(x, "between", -1.0, 1.0),
+                                masked_grad(grad, packed), masked_grad(grad, packed, 2.0, 0.0))
+        maps = (torch.randn(3, 5, 19, 13, generator=g) * 2).to(dtype)
+        d = division_quantize(maps, 2, 8, seed=9)
+        out[f"{dtype}-division"] = (d.data, d.low, d.lo, d.step, division_dequantize(d))
+    return out
+
+torch.save(outputs(), sys.argv[1])
+"""
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """Floating tensors as their bit patterns (-0.0 differs from 0.0 there)."""
+    if t.is_floating_point():
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def test_portable_and_avx2_paths_agree_bit_for_bit(tmp_path):
+    compiled_extension()
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    results = {}
+    for isa in ("baseline", "auto"):
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env.pop("ACTNN_ZOO_CPU_ISA", None)
+        if isa == "baseline":
+            env["ACTNN_ZOO_CPU_ISA"] = "baseline"
+        path = tmp_path / f"{isa}.pt"
+        subprocess.run([sys.executable, str(script), str(path)], env=env, check=True,
+                       timeout=600)
+        results[isa] = torch.load(path)
+    base, auto = results["baseline"], results["auto"]
+    assert base.pop("isa") in ("baseline", "native")
+    assert auto.pop("isa") in ("avx2", "baseline", "native")
+    assert base.keys() == auto.keys()
+    for key in base:
+        for a, b in zip(base[key], auto[key]):
+            assert a.dtype == b.dtype and a.shape == b.shape, key
+            assert torch.equal(bits_of(a), bits_of(b)), key
+
+
+def test_cpu_isa_names_the_path():
+    ext = compiled_extension()
+    assert ext.cpu_isa() in ("avx2", "baseline", "native")
