@@ -10,11 +10,13 @@ import copy
 import pickle
 import threading
 import warnings
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 import actnn_zoo as az
 from actnn_zoo.capture import active_session
@@ -605,3 +607,55 @@ def test_routed_calls_inside_a_non_reentrant_checkpoint_need_checkpoint_context(
         from actnn_zoo.capture import checkpoint_context
 
         checkpoint_context(nn.Linear(2, 2))
+
+
+class _CallCounter(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them():
+    """A Q-layer's own torch calls are not handed to the capture mode (capture.mode
+    call_unrouted: the mode would cost a Python call each); a mode the user enters inside the
+    forward is innermost and still sees every call of the layer it wraps."""
+    from actnn_zoo.capture import mode as M
+
+    seen = []
+    table_get = M.CaptureMode.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return table_get(self, func, types, args, kwargs)
+
+    class Wrapped(nn.Module):
+        def __init__(self, counter: Optional[_CallCounter]) -> None:
+            super().__init__()
+            self.lin, self.counter = nn.Linear(16, 16), counter
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.counter is None:
+                return self.lin(x).relu()
+            with self.counter:
+                return self.lin(x).relu()
+
+    x = torch.randn(8, 16)
+    model = az.convert_model(Wrapped(None))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(M.CaptureMode, "__torch_function__", spy)
+        model(x).sum().backward()
+    names = [getattr(f, "__name__", "") for f in seen]
+    assert "_module_call" in names  # the QLinear call went through the mode once, as a whole
+    assert "linear" not in names and "detach" not in names  # nothing inside it reached the mode
+
+    counter = _CallCounter()
+    q = az.convert_model(Wrapped(counter))
+    q(x).sum().backward()
+    # the user's mode saw the Q-layer's own calls (the linear op, its input's attributes,
+    # the quantizer's), not only the call of the layer and the relu
+    assert counter.calls > 10
+    assert q.lin.weight.grad is not None

@@ -33,6 +33,8 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        if func is _capture_is_innermost:
+            return True
         kwargs = kwargs or {}
         handler = self.table.get(func)
         if handler is None or not torch.is_grad_enabled():
@@ -40,16 +42,25 @@ class CaptureMode(TorchFunctionMode):
         return handler(self.session, func, args, kwargs)
 
 
+def _capture_is_innermost() -> bool:
+    """Asked through the innermost torch function mode: the capture mode answers True, any
+    other mode runs this function, which answers False."""
+    return False
+
+
 def call_unrouted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` with the innermost torch function mode off the stack.
+    """``fn(*args, **kwargs)`` with the capture mode off the stack when it is the innermost
+    torch function mode; otherwise plainly.
 
     torch's override protocol for Python functions (``handle_torch_function`` with no relevant
     arguments) hands ``fn`` to the innermost mode and pops that mode while it runs; the capture
     mode passes an unlisted ``fn`` straight through, so nothing inside is routed or pays the
     mode's per-call cost. Only for code that must not be routed (a Q-layer that saves through
-    its own Function). Tensor subclasses among the arguments are not consulted here: their
+    its own Function). A mode the user entered inside the forward (a ``torch.device`` context,
+    a counting mode) is innermost then: it must keep seeing the layer's calls, so ``fn`` runs
+    plainly. Tensor subclasses among the arguments are not consulted here: their
     ``__torch_function__`` still sees every torch call ``fn`` makes.
     """
-    if has_torch_function(_PLAIN):  # a plain tensor overridden: a torch function mode is on
+    if has_torch_function(_PLAIN) and handle_torch_function(_capture_is_innermost, ()):
         return handle_torch_function(fn, (), *args, **kwargs)
     return fn(*args, **kwargs)
