@@ -15,7 +15,8 @@ Function's backward is its ``...Backward`` node, whose self time is the Python c
 backward around the ops it calls. ``--full`` also prints torch's own table per mode.
 
 Models: those of actnn_zoo/models.py (``resnet``, ``transformer``, ``unet``, ``conv1d``, ...,
-built by actnn_zoo.memory.build_step, modes ``fp32``, ``<k>-bit``, ``checkpoint``) and the
+built by actnn_zoo.memory.build_step, modes ``fp32``, ``<k>-bit`` (uniform), ``default``
+(the 2-bit default, actnn strategy), ``checkpoint``) and the
 GPU benchmark's ``resnet50`` / ``gpt2`` (bench_gpu_models.py, its modes).
 """
 from __future__ import annotations
@@ -44,11 +45,14 @@ def _zoo_step(model: str, mode: str, batch: int, device: str) -> Callable[[], ob
         spec = StepSpec(model, batch, device=device)
     elif mode == "checkpoint":
         spec = StepSpec(model, batch, mode="checkpoint", device=device)
+    elif mode == "default":  # the 2-bit default configuration (actnn strategy)
+        spec = StepSpec(model, batch, mode="bits", bits=None, device=device)
     elif mode.endswith("-bit"):
         spec = StepSpec(model, batch, mode="bits", bits=int(mode[:-4]), strategy="uniform",
                         device=device)
     else:
-        raise SystemExit(f"unknown mode {mode!r} for {model}: fp32, <k>-bit or checkpoint")
+        raise SystemExit(f"unknown mode {mode!r} for {model}: fp32, <k>-bit, default or "
+                         "checkpoint")
     return build_step(spec)
 
 
