@@ -25,8 +25,8 @@ from actnn_zoo.functional._saving import compress, restore
 from actnn_zoo.quant import QuantizedTensor, SampleBits
 from actnn_zoo.quant import division_reference as ref
 from actnn_zoo.quant.reference import row_offsets
-from actnn_zoo.quant.division import (DivisionTensor, as_5d, division_dequantize,
-                                      division_quantize, has_low_part)
+from actnn_zoo.quant.division import (MIN_MAP_VALUES, DivisionTensor, as_5d,
+                                      division_dequantize, division_quantize, has_low_part)
 
 SHAPES = [(2, 3, 1, 1), (2, 3, 7, 7), (3, 2, 8, 8), (2, 2, 9, 13), (1, 4, 17, 5),
           (2, 3, 1), (2, 2, 20), (2, 2, 3, 9, 10), (1, 2, 1, 1, 1), (2, 1, 33, 16)]
@@ -241,9 +241,14 @@ def test_cuda_kernel_equals_cpu():
 def test_compress_picks_division_for_feature_maps_only():
     cfg = LayerQConfig(bits=2, compressor="division")
     assert isinstance(compress(torch.randn(2, 3, 9, 9), cfg), DivisionTensor)
-    assert isinstance(compress(torch.randn(2, 3, 9), cfg), DivisionTensor)
+    assert isinstance(compress(torch.randn(2, 3, 50), cfg), DivisionTensor)
     assert isinstance(compress(torch.randn(2, 3, 4, 5, 6, dtype=torch.float64), cfg),
                       DivisionTensor)
+    # maps of fewer than MIN_MAP_VALUES values: their own range would cost > 1 bit per value
+    assert MIN_MAP_VALUES == 48
+    assert isinstance(compress(torch.randn(2, 3, 47), cfg), QuantizedTensor)
+    assert isinstance(compress(torch.randn(2, 3, 4, 4), cfg), QuantizedTensor)
+    assert isinstance(compress(torch.randn(2, 3, 8, 6), cfg), DivisionTensor)
     assert isinstance(compress(torch.randn(6, 300), cfg), QuantizedTensor)
     assert isinstance(compress(torch.randn(2, 3, 9, 9), LayerQConfig()), QuantizedTensor)
     x = torch.randn(2, 3, 9, 9)

@@ -22,8 +22,13 @@ What we do differently (``division_reference.py`` has the exact rules):
 
 Which tensors use it: :func:`compress` (the path of every Q-layer, ``functional/_saving.py``,
 and of the capture store, tier 3) sends tensors with 3 to 5 dims, read as (N, C, *spatial), to
-DIVISION when the layer's ``compressor`` is 'division'; every other tensor (2-D activations,
-masks, a tier-3 tensor stored in channels-last order) goes to the plain per-group quantizer.
+DIVISION when the layer's ``compressor`` is 'division' and a map holds at least
+``MIN_MAP_VALUES`` (48) values; every other tensor (2-D activations, masks, a tier-3 tensor
+stored in channels-last order, maps of fewer values) goes to the plain per-group quantizer. A
+map's own range costs 48 bits (float32 lower bound, bf16 step): more than one bit per value
+below 48 values (3 bits on a 4x4 map, against 0.125 for a 256-value group), and such a map is
+one block, so DIVISION has no low part to keep there either (DIVISION's own code skips maps
+smaller than its block).
 A tensor of 3 to 5 dims that is not a feature map (attention's (B, heads, T, head_dim)) is
 still compressed correctly and unbiased, with blocks over its trailing dims.
 """
@@ -46,6 +51,8 @@ COMPRESSORS = ("quant", "division")
 DEFAULT_BLOCK = 8
 MAX_BLOCK = 64
 SPATIAL_DIMS = (1, 2, 3)
+# Smallest map (values per (sample, channel)) compressed with DIVISION (module doc).
+MIN_MAP_VALUES = 48
 
 
 def check_block(block: object, name: str = "division_block") -> int:
@@ -209,9 +216,11 @@ def _kernel(device: torch.device, name: str):
 # The one compression entry point the layers and the capture store share
 # ----------------------------------------------------------------------------------------------
 def uses_division(x: Tensor, compressor: str) -> bool:
-    """Whether :func:`compress_payload` sends ``x`` to DIVISION: the compressor is 'division' and
-    ``x`` reads as a feature map (3 to 5 dims, float32/16/bf16 or float64 via float32)."""
-    return compressor == "division" and 3 <= x.dim() <= 5
+    """Whether :func:`compress_payload` sends ``x`` to DIVISION: the compressor is 'division',
+    ``x`` reads as a feature map (3 to 5 dims, float32/16/bf16 or float64 via float32) and its
+    maps hold at least ``MIN_MAP_VALUES`` values."""
+    return compressor == "division" and 3 <= x.dim() <= 5 \
+        and x.shape[2:].numel() >= MIN_MAP_VALUES
 
 
 def decompress(payload: Payload) -> Tensor:
