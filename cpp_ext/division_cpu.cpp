@@ -11,6 +11,7 @@
 // end on a byte boundary, so no two tasks write the same byte.
 #include "kernels.h"
 #include "bf16_cpu.h"
+#include "codes_cpu.h"
 #include "isa_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -38,6 +39,7 @@ at::Tensor division_dequantize_cuda(const at::Tensor& data, const at::Tensor& lo
 namespace {
 
 constexpr int64_t kMapsPerTask = 8;  // 8 maps end on a byte boundary at every width
+constexpr int64_t kCodeChunk = int64_t{1} << 16;  // values per code_block call (its n is an int)
 
 struct Geometry {
   int64_t n, c, d1, d2, d3, s;  // s = d1 * d2 * d3 values per map
@@ -52,24 +54,34 @@ struct Geometry {
   }
 };
 
+// f(k, e0, e1) for each run of a map's values e0..e1 (memory order) inside one low-part block
+// k: a row of the last dim split at block edges, so no value needs a division to find its block.
+template <typename F>
+inline void for_each_block_run(const Geometry& g, const F& f) {
+  int64_t e = 0;
+  for (int64_t i1 = 0; i1 < g.d1; ++i1) {
+    for (int64_t i2 = 0; i2 < g.d2; ++i2) {
+      const int64_t k0 = ((i1 / g.block) * g.nb2 + i2 / g.block) * g.nb3;
+      for (int64_t k3 = 0, i3 = 0; k3 < g.nb3; ++k3) {
+        const int64_t len = std::min(g.d3 - i3, g.block);
+        f(k0 + k3, e, e + len);
+        i3 += len;
+        e += len;
+      }
+    }
+  }
+}
+
 // low[blocks] (float values of the stored bf16) for one map; writes the bf16 bits to low_out.
 template <typename T>
 void low_part(const T* x, const Geometry& g, std::vector<double>& sums, float* low_f,
               uint16_t* low_out) {
   std::fill(sums.begin(), sums.end(), 0.0);
-  for (int64_t i1 = 0; i1 < g.d1; ++i1) {
-    for (int64_t i2 = 0; i2 < g.d2; ++i2) {
-      const T* row = x + (i1 * g.d2 + i2) * g.d3;
-      double* acc = sums.data() + ((i1 / g.block) * g.nb2 + i2 / g.block) * g.nb3;
-      // block by block: each block's sum takes its values in the same order as before
-      for (int64_t k3 = 0, i3 = 0; k3 < g.nb3; ++k3) {
-        const int64_t end3 = std::min(g.d3, i3 + g.block);
-        double a = acc[k3];
-        for (; i3 < end3; ++i3) a += static_cast<float>(row[i3]);
-        acc[k3] = a;
-      }
-    }
-  }
+  for_each_block_run(g, [&](int64_t k, int64_t e0, int64_t e1) {
+    double a = sums[k];  // each block's values are added in memory order
+    for (int64_t e = e0; e < e1; ++e) a += static_cast<float>(x[e]);
+    sums[k] = a;
+  });
   for (int64_t k1 = 0, k = 0; k1 < g.nb1; ++k1)
     for (int64_t k2 = 0; k2 < g.nb2; ++k2)
       for (int64_t k3 = 0; k3 < g.nb3; ++k3, ++k) {
@@ -84,75 +96,32 @@ void low_part(const T* x, const Geometry& g, std::vector<double>& sums, float* l
 template <typename T>
 bool residual(const T* x, const Geometry& g, bool has_low, const float* low_f, float* r,
               float& mn, float& mx) {
-  bool finite = true;
-  mn = std::numeric_limits<float>::infinity();
-  mx = -mn;
   if (!has_low) {
     for (int64_t e = 0; e < g.s; ++e) r[e] = static_cast<float>(x[e]);
   } else {
-    int64_t e = 0;
-    for (int64_t i1 = 0; i1 < g.d1; ++i1) {
-      for (int64_t i2 = 0; i2 < g.d2; ++i2) {
-        const float* lrow = low_f + ((i1 / g.block) * g.nb2 + i2 / g.block) * g.nb3;
-        for (int64_t k3 = 0, i3 = 0; k3 < g.nb3; ++k3) {
-          const int64_t end3 = std::min(g.d3, i3 + g.block);
-          const float lv = lrow[k3];
-          for (; i3 < end3; ++i3, ++e) r[e] = static_cast<float>(x[e]) - lv;
-        }
-      }
-    }
+    for_each_block_run(g, [&](int64_t k, int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e) r[e] = static_cast<float>(x[e]) - low_f[k];
+    });
   }
   // min / max and a non-finite flag (v * 0 is NaN exactly for NaN / Inf), vectorised; as in
   // the quantizer, a map holding both +0.0 and -0.0 may pick either zero as its minimum
-  float bad = 0.0f, lo_v = mn, hi_v = mx;
-  const float* rr = r;
+  float bad = 0.0f, lo_v = std::numeric_limits<float>::infinity(), hi_v = -lo_v;
 #pragma omp simd reduction(min : lo_v) reduction(max : hi_v) reduction(+ : bad)
   for (int64_t e = 0; e < g.s; ++e) {
-    const float rv = rr[e];
+    const float rv = r[e];
     lo_v = rv < lo_v ? rv : lo_v;
     hi_v = rv > hi_v ? rv : hi_v;
     bad = bad + rv * 0.0f;
   }
   mn = lo_v;
   mx = hi_v;
-  finite = !std::isnan(bad);
-  return finite;
-}
-
-// Codes of one map's residuals r[0..s), element e having index base + e: the contract's
-// uniform_from_index written with the index's high half hoisted (it is constant unless the low
-// half wraps inside the map) and int32 arithmetic, so the loop vectorises; the same numbers.
-// floor, NaN -> 0, clamp to [0, levels]: clamp first, then truncate (= floor for t >= 0).
-inline void map_codes(const float* __restrict r, int64_t s, float lo, float inv, float levels,
-                      uint64_t base, uint32_t key, bool stochastic, uint8_t* __restrict q) {
-  const uint32_t lo32 = static_cast<uint32_t>(base);
-  if (stochastic && (s > 0xFFFFFFFFll || lo32 > 0xFFFFFFFFu - static_cast<uint32_t>(s - 1))) {
-    for (int64_t e = 0; e < s; ++e) {
-      float t = (r[e] - lo) * inv + uniform_from_index(base + e, key);
-      t = (t >= 0.0f) ? std::min(t, levels) : 0.0f;  // NaN compares false -> 0
-      q[e] = static_cast<uint8_t>(static_cast<int32_t>(t));
-    }
-    return;
-  }
-  const uint32_t hkey = key ^ (static_cast<uint32_t>(base >> 32) * 0x85EBCA6Bu);
-#pragma omp simd
-  for (int64_t e = 0; e < s; ++e) {
-    float u = 0.5f;
-    if (stochastic) {
-      const uint32_t h = fmix32((lo32 + static_cast<uint32_t>(e)) ^ hkey);
-      u = static_cast<float>(static_cast<int32_t>(h >> 8)) * (1.0f / 16777216.0f);
-    }
-    float t = (r[e] - lo) * inv + u;
-    t = t > 0.0f ? t : 0.0f;  // NaN -> 0 (the x86 max)
-    t = t < levels ? t : levels;
-    q[e] = static_cast<uint8_t>(static_cast<int32_t>(t));
-  }
+  return !std::isnan(bad);
 }
 
 // ORs the b-bit codes q[0..s) into `row` from bit `bit0` on (element e at bit bit0 + e * b,
 // little-endian within bytes). A map starting on a byte boundary (every map of 8 values or a
 // multiple of 8) packs whole bytes; another goes code by code.
-inline void pack_map(const uint8_t* q, int64_t s, int b, int64_t bit0, uint8_t* row) {
+inline void pack_map(const int32_t* q, int64_t s, int b, int64_t bit0, uint8_t* row) {
   int64_t e = 0;
   if ((bit0 & 7) == 0) {
     const int per = 8 / b;
@@ -202,7 +171,7 @@ void quantize_impl(const T* x, const Geometry& g, const uint8_t* bits, const int
     std::vector<double> sums(has_low ? g.nblocks : 0);
     std::vector<float> low_f(has_low ? g.nblocks : 0);
     std::vector<float> r(g.s);
-    std::vector<uint8_t> q(g.s);
+    std::vector<int32_t> q(g.s);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / chunks;
       const int64_t c0 = (task % chunks) * kMapsPerTask;
@@ -225,8 +194,15 @@ void quantize_impl(const T* x, const Geometry& g, const uint8_t* bits, const int
         const float inv = stf > 0.0f ? 1.0f / stf : 0.0f;
         const uint64_t base = static_cast<uint64_t>(n) * d + ch * g.s;
         const int64_t bit0 = ch * g.s * b;
-        // the codes first (one loop gcc vectorises), then packed
-        map_codes(r.data(), g.s, l, inv, levels, base, key, stochastic, q.data());
+        // the codes first (codes_cpu.h, vectorised), then packed
+        for (int64_t e = 0; e < g.s; e += kCodeChunk) {
+          const int n = static_cast<int>(std::min(kCodeChunk, g.s - e));
+          if (stochastic) {
+            code_block<true>(r.data() + e, n, l, inv, levels, base + e, key, q.data() + e);
+          } else {
+            code_block<false>(r.data() + e, n, l, inv, levels, base + e, key, q.data() + e);
+          }
+        }
         pack_map(q.data(), g.s, b, bit0, row);
       }
     }
@@ -261,22 +237,14 @@ void dequantize_impl(const uint8_t* data, const Geometry& g, const uint8_t* bits
           }
           continue;
         }
-        int64_t e = 0;
-        for (int64_t i1 = 0; i1 < g.d1; ++i1) {
-          for (int64_t i2 = 0; i2 < g.d2; ++i2) {
-            const uint16_t* lrow = lw + ((i1 / g.block) * g.nb2 + i2 / g.block) * g.nb3;
-            for (int64_t k3 = 0, i3 = 0; k3 < g.nb3; ++k3) {
-              const int64_t end3 = std::min(g.d3, i3 + g.block);
-              const float lv = bf16_value(lrow[k3]);
-              for (; i3 < end3; ++i3, ++e) {
-                const int64_t pos = bit0 + e * b;
-                const float q = static_cast<float>((row[pos >> 3] >> (pos & 7)) & mask);
-                const float rv = q * st + l;
-                o[e] = static_cast<T>(lv + rv);
-              }
-            }
+        for_each_block_run(g, [&](int64_t k, int64_t e0, int64_t e1) {
+          const float lv = bf16_value(lw[k]);
+          for (int64_t e = e0; e < e1; ++e) {
+            const int64_t pos = bit0 + e * b;
+            const float q = static_cast<float>((row[pos >> 3] >> (pos & 7)) & mask);
+            o[e] = static_cast<T>(lv + (q * st + l));
           }
-        }
+        });
       }
     }
   }); });

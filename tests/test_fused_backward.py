@@ -136,7 +136,8 @@ def _unfused_mask_backward(x: torch.Tensor, op: str, a: float, b: float,
     else:
         mask, other = (x > A._bound(a, x.dtype, False)) & (x < A._bound(b, x.dtype, True)), 0.0
     perm = A.memory_perm(x)
-    packed, mshape = A.save_mask(mask, perm)
+    m = A.to_memory_order(mask, perm)
+    packed, mshape = pack_mask(m), m.shape
     mask = A.load_mask(packed, mshape, perm)
     return torch.where(mask, grad, 0.0) if other == 0.0 else torch.where(mask, grad, grad * other)
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..capture.session import active_session
 from ..capture.store import ZeroCodeClaim, ZeroCodeSlot, save_probe
-from ..quant import Bits, masked_grad_codes, pack_compare, pack_mask, unpack_mask
+from ..quant import Bits, masked_grad_codes, pack_compare, unpack_mask
 from ..quant.api import masked_grad
 from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 
@@ -33,7 +33,7 @@ __all__ = ["relu", "leaky_relu", "hardtanh", "relu6", "gelu", "silu", "sigmoid",
            "softplus", "hardswish", "hardsigmoid", "mish", "MaskActivationFunction",
            "DerivativeActivationFunction",
            "activation_derivative", "memory_perm", "to_memory_order", "from_memory_order",
-           "save_mask", "load_mask"]
+           "load_mask"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,12 +65,6 @@ def from_memory_order(t: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
     return t.permute(inverse)
 
 
-def save_mask(mask: Tensor, perm: Optional[Tuple[int, ...]]) -> Tuple[Tensor, torch.Size]:
-    """Pack a bool mask at 1 bit per value in memory order; returns (bytes, shape to unpack)."""
-    m = to_memory_order(mask, perm)
-    return pack_mask(m), m.shape
-
-
 def load_mask(packed: Tensor, shape: torch.Size, perm: Optional[Tuple[int, ...]]) -> Tensor:
     return from_memory_order(unpack_mask(packed, shape), perm)
 
@@ -78,7 +72,7 @@ def load_mask(packed: Tensor, shape: torch.Size, perm: Optional[Tuple[int, ...]]
 def masked_grad_in(grad: Tensor, packed: Tensor, shape: torch.Size,
                    perm: Optional[Tuple[int, ...]], on: Optional[float],
                    off: Optional[float]) -> Tensor:
-    """``grad_in`` of a layer that saved :func:`save_mask` bits, fused (``quant.masked_grad``):
+    """``grad_in`` of a layer that saved packed mask bits in memory order, fused (``quant.masked_grad``):
     the bits are in memory order, so ``grad`` is taken in that order too (a view when it shares
     the layout, as it does after a channels_last layer) and the result is returned in it."""
     g = to_memory_order(grad, perm)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor
-from ._saving import Saved, compress, dequantize_rows, load, restore, sample_chunks, save
+from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 from .linear import cast, dtype_of, first_order_only, memory_format_of
 
 
@@ -87,25 +87,16 @@ def _normalize(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
     return (x.to(work) - mean.to(work)).mul_(invstd.to(work))
 
 
-def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype) -> Tensor:
-    """x = x_hat / invstd + mean, cast to the compute dtype of the backward op."""
+def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype,
+                 owned: bool = False) -> Tensor:
+    """x = x_hat / invstd + mean, cast to the compute dtype of the backward op. ``owned``: x_hat
+    is a decoded copy nobody else reads, overwritten when it has the working dtype (the same
+    operations, so the same values): one full map less at the backward's peak. A plain saved
+    tensor is never owned (a second backward reads it again)."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
+    if owned and x_hat.dtype == work:
+        return x_hat.div_(invstd.to(work)).add_(mean.to(work)).to(dtype)
     return (x_hat.to(work) / invstd.to(work)).add_(mean.to(work)).to(dtype)
-
-
-def _decoded_input(x_q: Saved, mean: Callable[[Tensor], Tensor],
-                   invstd: Callable[[Tensor], Tensor], dtype: torch.dtype,
-                   memory_format: torch.memory_format) -> Tensor:
-    """The input x rebuilt from the saved x_hat in ``memory_format``. A compressed x_hat is
-    decoded into a fresh tensor that is then turned into x in place (the same operations, so
-    the same values as :func:`_denormalize`): one full map less at the backward's peak. A plain
-    saved tensor is not overwritten (a second backward reads it again)."""
-    x_hat = restore(x_q).contiguous(memory_format=memory_format)
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    if isinstance(x_q, Tensor) or x_hat.dtype != work:
-        return _denormalize(x_hat, mean(x_hat), invstd(x_hat), dtype).contiguous(
-            memory_format=memory_format)
-    return x_hat.div_(invstd(x_hat).to(work)).add_(mean(x_hat).to(work)).to(dtype)
 
 
 # -- BatchNorm ----------------------------------------------------------------------------------
@@ -153,8 +144,10 @@ class BatchNormFunction(torch.autograd.Function):
                 gi, gw, gb = _bn_backward_by_chunks(go, x_q, invstd, weight, chunks, ctx.x_format,
                                                     need_x)
             elif x_q is not None:
-                x = _decoded_input(x_q, lambda t: _per_channel(mean, t),
-                                   lambda t: _per_channel(invstd, t), dt, ctx.x_format)
+                x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
+                x = _denormalize(x_hat, _per_channel(mean, x_hat), _per_channel(invstd, x_hat),
+                                 dt, owned=not isinstance(x_q, Tensor))
+                del x_hat
                 gi, gw, gb = torch.ops.aten.native_batch_norm_backward(
                     go, x, cast(weight, dt if dt != x_dtype else None), None, None, mean,
                     invstd, True, ctx.eps, [need_x, need_w, need_b])
@@ -329,8 +322,8 @@ class LayerNormFunction(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             go = grad_out.to(dt)
             if x_q is not None:
-                x = _decoded_input(x_q, lambda t: mean, lambda t: rstd, dt,
-                                   torch.contiguous_format)
+                x = _denormalize(restore(x_q), mean, rstd, dt,
+                                 owned=not isinstance(x_q, Tensor))
                 gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
                     go, x, ctx.normalized_shape, mean, rstd, cast(weight, to_dt),
                     cast(bias, to_dt), [need_x, need_w, need_b])
@@ -381,8 +374,11 @@ class GroupNormFunction(torch.autograd.Function):
             # Like autograd's own rule: gradient and input in the input's memory format.
             go = grad_out.to(dt).contiguous(memory_format=ctx.x_format)
             if x_q is not None:
-                x = _decoded_input(x_q, lambda t: _per_group(mean, t, g),
-                                   lambda t: _per_group(rstd, t, g), dt, ctx.x_format)
+                x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
+                x = _denormalize(x_hat, _per_group(mean, x_hat, g), _per_group(rstd, x_hat, g),
+                                 dt, owned=not isinstance(x_q, Tensor)
+                                 ).contiguous(memory_format=ctx.x_format)
+                del x_hat
                 gi, gw, gb = torch.ops.aten.native_group_norm_backward(
                     go, x, mean, rstd, cast(weight, dt if dt != x_dtype else None), n, c, hxw,
                     g, [need_x, need_w, need_b])
