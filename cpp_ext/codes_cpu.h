@@ -1,8 +1,13 @@
 // The codes of the quantization contract on the CPU, shared by the group quantizer
-// (quant_cpu.cpp) and DIVISION (division_cpu.cpp): clamp_code and code_block, written so that
+// (quant_cpu.cpp), DIVISION (division_cpu.cpp) and sparse codes (sparse_cpu.cpp): clamp_code,
+// code_block, pack_block and group_meta, written so that
 // gcc vectorises them (reference.quantize_codes gives the same numbers).
 #pragma once
 #include "kernels.h"
+#include "bf16_cpu.h"
+
+#include <cmath>
+#include <cstring>
 
 #include <cstdint>
 
@@ -57,6 +62,62 @@ AZ_INLINE void code_block(const float* __restrict x, int n, float lo, float inv,
     t = t + u;
     codes[e] = clamp_code(t, levels);
   }
+}
+
+// Packing codes (one byte each, < 2^B) into bytes, LSB first: output byte j gathers the 8/B
+// consecutive code bytes of one machine word by shift-or folding, so the loop runs on plain
+// integer lanes.
+template <int B>
+struct PackWord;
+template <> struct PackWord<1> { using type = uint64_t; };
+template <> struct PackWord<2> { using type = uint32_t; };
+template <> struct PackWord<4> { using type = uint16_t; };
+template <> struct PackWord<8> { using type = uint8_t; };
+
+// nbytes output bytes from codes[0 .. nbytes * 8 / B).
+template <int B>
+AZ_INLINE void pack_block(const uint8_t* __restrict codes, int nbytes, uint8_t* __restrict out) {
+  using W = typename PackWord<B>::type;
+  constexpr int kPer = 8 / B;
+#pragma omp simd
+  for (int j = 0; j < nbytes; ++j) {
+    W v;
+    std::memcpy(&v, codes + j * kPer, sizeof(W));
+    if constexpr (B == 1) {
+      v |= v >> 7;
+      v |= v >> 14;
+      v |= v >> 28;
+    } else if constexpr (B == 2) {
+      v |= v >> 6;
+      v |= v >> 12;
+    } else if constexpr (B == 4) {
+      v |= v >> 4;
+    }
+    out[j] = static_cast<uint8_t>(v);
+  }
+}
+
+struct GroupMeta {
+  uint16_t lo, step;  // bf16 bit patterns
+  bool bad;           // lo = step = NaN, codes 0
+};
+
+// reference.group_metadata for one group, from its fp32 min and max.
+inline GroupMeta group_meta(float mn, float mx, bool finite, float levels) {
+  if (!finite) return {kBf16NaN, kBf16NaN, true};
+  const uint16_t lo = bf16_round_down(mn);
+  const float lo_f = bf16_value(lo);
+  uint16_t step = bf16_round_up((mx - lo_f) / levels);
+  for (int k = 0; k < 2; ++k) {
+    const float span = levels * bf16_value(step);
+    const float top = lo_f + span;
+    if (top < mx) step = bf16_next_up(step);
+  }
+  // A positive denormal step is raised to 2^-126 (bf16 0x0080) so that 1 / step is finite.
+  const float step_f = bf16_value(step);
+  if (step_f > 0.0f && step_f < kMinStep) step = kMinStepBf16;
+  if (!std::isfinite(bf16_value(step))) return {kBf16NaN, kBf16NaN, true};
+  return {lo, step, false};
 }
 
 }  // namespace actnn_zoo

@@ -1,10 +1,13 @@
-"""Zero-exact codes: ReLU's output compressed once, its backward read from the consumer's codes.
+"""ReLU's output compressed once, its backward read from the consumer's codes.
 
-Kernel twins (compiled vs reference, bit for bit), the code-0-iff-zero property, unbiasedness
-with a stated tolerance, the fused backward against torch's ``threshold_backward``, and the
-model-level behaviour: a converted CNN's ReLUs keep nothing of their own from the second
-forward on, gradients stay exact where they do not depend on the saved values, a ReLU whose
-output nobody compresses goes back to its mask, and checkpointed segments recompute alike.
+Zero-exact codes (``quantize(..., zero_exact=True)``, a kernel feature): kernel twins
+(compiled vs reference, bit for bit), the code-0-iff-zero property, unbiasedness with a stated
+tolerance, the fused backward against torch's ``threshold_backward``. The model-level
+behaviour, where the consumer stores the output as sparse codes (``relu_codes``, on by
+default; tests/test_sparse_codes.py covers those kernels): a converted CNN's ReLUs keep nothing
+of their own from the second forward on, gradients stay exact where they do not depend on the
+saved values, a ReLU whose output nobody compresses goes back to its mask, and checkpointed
+segments recompute alike.
 """
 from __future__ import annotations
 
@@ -227,35 +230,49 @@ def test_relu_without_compressing_consumer_keeps_its_mask():
         assert not model.relu._zero_codes.enabled
 
 
+def _claimed_payloads(model, x):
+    """The payloads handed to ReLU claims during one forward + backward of ``model``."""
+    from actnn_zoo.capture.store import ZeroCodeClaim
+
+    seen = []
+    orig = ZeroCodeClaim.fulfil
+    ZeroCodeClaim.fulfil = lambda self, q: (seen.append(q), orig(self, q))[1]
+    try:
+        model(x).square().mean().backward()
+    finally:
+        ZeroCodeClaim.fulfil = orig
+    return seen
+
+
 def test_consumer_widths_are_used():
-    """The consumer's own widths code the shared payload: 4 bits after a change, and
-    per-sample widths (the default strategy) with 1-bit rows raised to 2."""
+    """The consumer's own widths code the shared payload (sparse codes), 4 bits after a
+    change."""
     import dataclasses
 
-    from actnn_zoo.capture.store import ZeroCodeClaim
+    from actnn_zoo.quant import SparseQuantizedTensor
 
     torch.manual_seed(0)
     model = az.convert_model(ReluLinear(), strategy="uniform", bits=2, relu_codes=True)
     model(torch.randn(64, 48)).sum().backward()
     model.fc1.qconfig = dataclasses.replace(model.fc1.qconfig, bits=4)
-    seen = []
-    orig = ZeroCodeClaim.fulfil
-    ZeroCodeClaim.fulfil = lambda self, q: (seen.append(q), orig(self, q))[1]
-    try:
-        x = torch.randn(64, 48, requires_grad=True)
-        model(x).square().mean().backward()
-    finally:
-        ZeroCodeClaim.fulfil = orig
-    assert len(seen) == 1 and seen[0].bits == 4 and seen[0].zero_exact
+    seen = _claimed_payloads(model, torch.randn(64, 48, requires_grad=True))
+    assert len(seen) == 1 and isinstance(seen[0], SparseQuantizedTensor)
+    assert seen[0].row_bits.tolist() == [4] * 64
 
 
-def test_one_bit_rows_are_raised_to_two():
-    from actnn_zoo.capture.store import _at_least_2
-
-    sb = SampleBits(torch.tensor([1, 2, 8, 1], dtype=torch.uint8), 12)
-    up = _at_least_2(sb)
-    assert up.bits.tolist() == [2, 2, 8, 2] and up.max_sum == 14  # 2 rows raised
-    assert _at_least_2(1) == 2 and _at_least_2(4) == 4
+def test_one_bit_rows_stay_one_bit():
+    """Sparse codes take 1-bit rows as they are (one interval over a group's nonzeros is still
+    unbiased), and ReLU's gradient stays exact: the input gradient equals fp32's bit for bit."""
+    torch.manual_seed(0)
+    ref = ReluLinear()
+    model = az.convert_model(copy.deepcopy(ref), strategy="uniform", bits=1)
+    model(torch.randn(64, 48)).sum().backward()
+    x = torch.randn(64, 48)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(x1).square().mean().backward()
+    seen = _claimed_payloads(model, x2)
+    assert len(seen) == 1 and seen[0].row_bits.tolist() == [1] * 64
+    assert torch.equal(x1.grad, x2.grad)
 
 
 def cnn_pair(checkpoint: bool = False):
@@ -323,24 +340,27 @@ def test_cnn_compression_gains():
     loss = workload("resnet").loss
     base = build_model("resnet").train()
     fp32 = saved_activation_bytes(base, x, loss_fn=lambda o: loss(o, y)).total_bytes
-    model = az.convert_model(copy.deepcopy(base), relu_codes=True)
+    model = az.convert_model(copy.deepcopy(base))  # relu_codes is on by default
     first = saved_activation_bytes(model, x, loss_fn=lambda o: loss(o, y))
     second = saved_activation_bytes(model, x, loss_fn=lambda o: loss(o, y))
     assert fp32 / second.total_bytes >= 14.5 > fp32 / first.total_bytes
 
 
-def test_off_by_default_and_yaml_key(tmp_path):
-    """``relu_codes`` is off by default (masks, as before) and a YAML key; a wrong value names
-    the key."""
+def test_on_by_default_and_yaml_key(tmp_path):
+    """``relu_codes`` is on by default (ReLU keeps nothing from the second forward on) and a
+    YAML key: ``false`` gives every ReLU its own mask; a wrong value names the key."""
     torch.manual_seed(0)
     model = az.convert_model(ReluLinear())
     for _ in range(2):
         model(torch.randn(64, 48)).sum().backward()
-    assert "_zero_codes" not in vars(model.relu) and relu_saved(model)
+    assert model.relu._zero_codes.enabled and relu_saved(model) == {}
     cfg = tmp_path / "codes.yaml"
-    cfg.write_text("bits: 2\nrelu_codes: true\n")
+    cfg.write_text("bits: 2\nrelu_codes: false\n")
     model = az.convert_model(ReluLinear(), str(cfg))
-    assert model.relu.qconfig.relu_codes
+    assert not model.relu.qconfig.relu_codes
+    for _ in range(2):
+        model(torch.randn(64, 48)).sum().backward()
+    assert "_zero_codes" not in vars(model.relu) and relu_saved(model)
     cfg.write_text("bits: 2\nrelu_codes: maybe\n")
     with pytest.raises(ValueError, match="relu_codes"):
         az.convert_model(ReluLinear(), str(cfg))

@@ -34,6 +34,8 @@ from torch import Tensor
 from .._torch_private import tensor_base, tensor_version
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, pack_mask, quantize, unpack_mask
+from ..quant.sparse import quantize_sparse
+from ..quant.tensor import SparseQuantizedTensor
 from ..quant.division import Payload, decompress, uses_division
 from .session import current_observer
 
@@ -105,10 +107,10 @@ class ZeroCodeSlot:
     """What a ReLU module learned about the consumer of its output: whether it compresses it.
 
     ReLU's mask (1 bit per value) is redundant when the next layer compresses the same output
-    anyway (a conv, a linear): with zero-exact codes (``quantize(..., zero_exact=True)``) the
-    consumer's payload says exactly where the output was positive, so ReLU reads its backward
-    from those codes and saves nothing of its own (docs/design.md, "Compress each tensor
-    once"). A forward in which the output was compressed plainly by a later save turns this on
+    anyway (a conv, a linear): stored as sparse codes (``quantize_sparse``: the mask plus codes
+    of the nonzeros), the consumer's payload holds exactly ReLU's mask, so ReLU reads its
+    backward from it and saves nothing of its own (docs/design.md, "ReLU reads its consumer's
+    codes"). CPU only: sparse codes have no CUDA kernels yet, so ReLUs elsewhere keep masks. A forward in which the output was compressed plainly by a later save turns this on
     for the next forwards; one in which nothing compressed it (the consumer is a max-pool, or
     compresses with DIVISION or a rotation) turns it off.
     """
@@ -136,9 +138,8 @@ class ZeroCodeSlot:
 class ZeroCodeClaim:
     """A ReLU's claim on the compressed copy of its output, kept on its autograd ctx.
 
-    The first save that compresses the output plainly in this forward quantizes it with zero
-    exact (at its own widths, 1-bit rows raised to 2) and hands the payload here. If none does
-    by the end of the forward, the output (kept alive meanwhile) is packed into ReLU's 1-bit
+    The first save that compresses the output plainly in this forward quantizes it as sparse
+    codes at its own widths and hands the payload here. If none does by the end of the forward, the output (kept alive meanwhile) is packed into ReLU's 1-bit
     mask instead, in memory order.
     """
 
@@ -147,10 +148,10 @@ class ZeroCodeClaim:
     def __init__(self, out: Tensor) -> None:
         self.out: Optional[Tensor] = out
         self.version = -1  # set when the store registers it
-        self.q: Optional[QuantizedTensor] = None
+        self.q: Optional[SparseQuantizedTensor] = None
         self.mask: Optional[Tuple[Tensor, torch.Size, Tuple[int, ...]]] = None
 
-    def fulfil(self, q: QuantizedTensor) -> None:
+    def fulfil(self, q: SparseQuantizedTensor) -> None:
         self.q, self.out = q, None
 
     def fall_back(self) -> None:
@@ -176,25 +177,11 @@ def save_probe(store: Optional["CompressedStore"] = None) -> None:
         probe.mul(probe)
 
 
-def _zero_exact(x: Tensor, bits: Bits, group_size: int, rounding: str) -> QuantizedTensor:
-    """``quantize(..., zero_exact=True)``, float64 through a float32 copy (as the layers do)."""
+def _sparse(x: Tensor, bits: Bits, group_size: int, rounding: str) -> SparseQuantizedTensor:
+    """``quantize_sparse`` (float64 through a float32 copy, as the layers do)."""
     if x.dtype == torch.float64:
         x = x.float()
-    return quantize(x, bits, group_size, rounding=rounding, zero_exact=True)
-
-
-def _at_least_2(bits: Bits) -> Bits:
-    """Widths with every 1 raised to 2: zero-exact codes need two positive levels. The bound
-    of :class:`SampleBits` grows by the rows raised, counted on CPU (free there); on other
-    devices by one per row (no read-back: the buffer may then hold up to 1 bit per value of
-    unused capacity)."""
-    if isinstance(bits, int):
-        return max(bits, 2)
-    if isinstance(bits, Tensor):
-        return bits.clamp_min(2)
-    ones = bits.bits.shape[0] if bits.bits.device.type != "cpu" \
-        else int((bits.bits == 1).sum())
-    return SampleBits(bits.bits.clamp_min(2), bits.max_sum + ones)
+    return quantize_sparse(x, bits, group_size, rounding=rounding)
 
 
 def dense_order(t: Tensor) -> Optional[Tuple[int, ...]]:
@@ -278,7 +265,7 @@ class CompressedStore:
         self._refresh = refresh
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
-        # zero-exact sharing: ReLU outputs offered (mask saved, learning) and claimed (codes
+        # ReLU-code sharing: ReLU outputs offered (mask saved, learning) and claimed (codes
         # wanted), by memory key; the probe of hooks_innermost
         self._offers: Dict[tuple, Tuple["weakref.ref[Tensor]", ZeroCodeSlot]] = {}
         self._claims: Dict[tuple, Tuple[ZeroCodeClaim, ZeroCodeSlot]] = {}
@@ -296,8 +283,9 @@ class CompressedStore:
         ``x``). ``quantize_fn``: what quantizes (default :func:`actnn_zoo.quant.quantize`);
         ``kind`` names it in the key ('quant', ('quant', transform) or ('division', block)),
         so a tensor compressed two ways is never answered with the other way's payload.
-        A ReLU output claimed by :meth:`claim` is quantized with zero-exact codes (1-bit rows
-        raised to 2) and handed to the claim as well."""
+        A ReLU output claimed by :meth:`claim` is quantized as sparse codes (its mask plus the
+        codes of its nonzeros, :func:`~actnn_zoo.quant.quantize_sparse`) and handed to the
+        claim as well."""
         quantize_fn = quantize if quantize_fn is None else quantize_fn
         kw = {"rounding": rounding}
         if x.layout != torch.strided:
@@ -305,8 +293,7 @@ class CompressedStore:
         memory = _memory_key(x) if (self._claims or self._offers) and kind == "quant" else None
         claim = self._claims.pop(memory, None) if memory is not None else None
         if claim is not None:
-            bits = _at_least_2(bits)
-            quantize_fn = _zero_exact
+            quantize_fn = _sparse
         elif memory is not None:
             offer = self._offers.pop(memory, None)
             if offer is not None and offer[0]() is not None:

@@ -10,10 +10,11 @@ from torch import Tensor
 from ..capture.session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, dequantize_rows, quantize
+from ..quant.tensor import CompressedPayload
 from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
                               uses_division)
 
-Saved = Union[Tensor, QuantizedTensor, DivisionTensor, None]
+Saved = Union[Tensor, CompressedPayload, None]
 
 
 def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None) -> Payload:
@@ -73,7 +74,7 @@ def save(ctx, *items: Saved) -> None:
     tensors: List[Tensor] = []
     layout = []
     for item in items:
-        if isinstance(item, (QuantizedTensor, DivisionTensor)):
+        if isinstance(item, CompressedPayload):
             ts = item.tensors()
             layout.append(("q", len(ts), (type(item), item.spec())))
             tensors.extend(ts)
@@ -109,7 +110,7 @@ def load(ctx) -> List[Saved]:
 
 def restore(item: Saved) -> Optional[Tensor]:
     """Decompress a saved item (identity for plain tensors and None)."""
-    if isinstance(item, (QuantizedTensor, DivisionTensor)):
+    if isinstance(item, CompressedPayload):
         return decompress(item)
     return item
 

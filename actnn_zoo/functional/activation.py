@@ -23,7 +23,7 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..capture.session import active_session
 from ..capture.store import ZeroCodeClaim, ZeroCodeSlot, save_probe
-from ..quant import Bits, masked_grad_codes, pack_compare, unpack_mask
+from ..quant import Bits, pack_compare, unpack_mask
 from ..quant.api import masked_grad
 from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 
@@ -136,7 +136,7 @@ class MaskActivationFunction(torch.autograd.Function):
         elif slot is not None and slot.probed and op == "relu":
             save_probe()  # what the session's probe saved: a checkpoint's recomputation
         if session is not None and slot.enabled and innermost:
-            # the consumer's zero-exact payload will hold the mask (ZeroCodeSlot)
+            # the consumer's sparse codes will hold the mask (ZeroCodeSlot)
             out = F.relu(x, inplace=inplace)
             if inplace:
                 ctx.mark_dirty(x)
@@ -188,10 +188,11 @@ class MaskActivationFunction(torch.autograd.Function):
 
 
 def _claimed_grad(claim: ZeroCodeClaim, grad: Tensor) -> Tensor:
-    """ReLU's backward from its claim: the consumer's zero-exact codes (code 0 exactly where
-    the output was 0), else the mask packed at the end of the forward."""
-    if claim.q is not None:
-        return masked_grad_codes(grad, claim.q)
+    """ReLU's backward from its claim: the mask of the consumer's sparse codes (``x != 0`` of
+    the output, which for a ReLU output is ``threshold_backward``'s predicate), else the mask
+    packed at the end of the forward."""
+    if claim.q is not None:  # sparse codes: their mask is ReLU's, in logical order
+        return masked_grad(grad, claim.q.mask)
     if claim.mask is not None:
         packed, shape, perm = claim.mask
         return masked_grad_in(grad, packed, shape, perm, None, None)

@@ -28,9 +28,9 @@ class _QAct(QModule):
 
 class QReLU(_QAct, nn.ReLU):
     """nn.ReLU saving a 1-bit mask (torch saves the full output); with ``qconfig.relu_codes``
-    nothing of its own in a converted model where the next layer compresses the output: that
-    layer's payload is then coded with zero exact and ReLU's backward reads it
-    (:class:`~actnn_zoo.capture.store.ZeroCodeSlot`, learned over one forward)."""
+    (the default) nothing of its own on the CPU in a converted model where the next layer
+    compresses the output: that layer stores it as sparse codes, whose mask ReLU's backward
+    reads (:class:`~actnn_zoo.capture.store.ZeroCodeSlot`, learned over one forward)."""
 
     _FLOAT_MODULE = nn.ReLU
 
@@ -41,7 +41,7 @@ class QReLU(_QAct, nn.ReLU):
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
             slot = None
-            if self.qconfig.relu_codes:
+            if self.qconfig.relu_codes and input.device.type == "cpu":  # sparse kernels
                 slot = self.__dict__.get("_zero_codes")
                 if slot is None:
                     slot = self._zero_codes = ZeroCodeSlot()

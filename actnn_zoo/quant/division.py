@@ -45,7 +45,7 @@ from .api import (SUPPORTED_DTYPES, Bits, _capacity, _row_bits, _uniform_offsets
                   check_sample_bits, draw_seed)
 from .backend import kernels
 from .reference import row_offsets
-from .tensor import CompressedPayload, QuantizedTensor
+from .tensor import CompressedPayload, QuantizedTensor, SparseQuantizedTensor
 
 COMPRESSORS = ("quant", "division")
 DEFAULT_BLOCK = 8
@@ -115,7 +115,7 @@ class DivisionTensor(CompressedPayload):
                 f"block={self.block}, low={self.has_low}, nbytes={self.nbytes})")
 
 
-Payload = Union[QuantizedTensor, DivisionTensor]
+Payload = Union[QuantizedTensor, DivisionTensor, SparseQuantizedTensor]
 
 
 def as_5d(shape: torch.Size) -> Tuple[int, int, int, int, int]:
@@ -224,9 +224,13 @@ def uses_division(x: Tensor, compressor: str) -> bool:
 
 
 def decompress(payload: Payload) -> Tensor:
-    """Dequantize either payload kind."""
+    """Dequantize any payload kind."""
     if isinstance(payload, DivisionTensor):
         return division_dequantize(payload)
+    if isinstance(payload, SparseQuantizedTensor):
+        from .sparse import dequantize_sparse
+
+        return dequantize_sparse(payload)
     from .api import dequantize
 
     return dequantize(payload)

@@ -329,3 +329,81 @@ def pack_compare(x: Tensor, kind: int, lo: float, hi: float) -> Tensor:
 
 def unpack_mask(packed: Tensor, numel: int) -> Tensor:
     return _unpack_rows(packed.reshape(1, -1), 1, numel).reshape(-1).bool()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse codes: a mask of the nonzeros plus codes of the nonzeros only
+# ----------------------------------------------------------------------------------------------
+def _sparse_layout(nz: Tensor, bits: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(code index of each element within its row (N, D) int64, nonzeros per row (N,),
+    row byte offsets (N + 1,)) for the nonzero mask ``nz`` and per-row widths."""
+    count = nz.sum(1)
+    cidx = torch.cumsum(nz.to(torch.int64), 1) - 1
+    nbytes = (count * bits.to(torch.int64) + 7) // 8
+    return cidx, count, torch.cat([nbytes.new_zeros(1), torch.cumsum(nbytes, 0)])
+
+
+def quantize_sparse(x2d: Tensor, bits: Tensor, group_size: int, seed: int, stochastic: bool
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(N, D) float tensor -> (data uint8, lo bf16 (N, G), step bf16 (N, G), mask uint8,
+    offsets int64 (N + 1)): the sparse-codes layout.
+
+    * ``mask``: :func:`pack_mask` of ``x2d != 0`` in row-major order (NaN counts as nonzero;
+      +-0.0 as zero).
+    * Groups are ``group_size`` consecutive positions of a row, as in :func:`quantize`, but
+      their range (``lo``, ``step``, rounded like :func:`group_metadata`) covers only their
+      nonzero values; a group without nonzeros has ``lo = step = 0``; one holding NaN or +-Inf
+      has ``lo = step = NaN`` and codes 0.
+    * Row ``n`` packs the codes of its nonzeros only, in order, ``bits[n]`` each, LSB first, in
+      ``ceil(count_n * bits[n] / 8)`` bytes from ``offsets[n]``. Codes are those of
+      :func:`quantize_codes` with the groups' metadata (a value's random number is drawn at its
+      position ``n * D + j``, as in :func:`quantize`).
+    """
+    x = x2d.to(torch.float32)
+    n, d = x.shape
+    nz = x != 0
+    levels = ((1 << bits.to(torch.int64)) - 1).to(torch.float32).unsqueeze(1)
+    inf = float("inf")
+    mn = _grouped(torch.where(nz, x, inf), group_size, inf).amin(dim=2)
+    mx = _grouped(torch.where(nz, x, -inf), group_size, -inf).amax(dim=2)
+    empty = (mn == inf) & (mx == -inf)
+    lo, step = _range_metadata(mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0), levels)
+    cidx, count, offsets = _sparse_layout(nz, bits)
+    q = quantize_codes(x, lo, step, levels.squeeze(1).to(torch.int64), group_size, seed,
+                       stochastic)
+    # compact each row's codes to its front, then pack rows of each width
+    compact = torch.zeros(n, d, dtype=torch.uint8, device=x.device)
+    rows = torch.arange(n, device=x.device).unsqueeze(1).expand(n, d)
+    compact[rows[nz], cidx[nz]] = q[nz]
+    data = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=x.device)
+    for b in (1, 2, 4, 8):
+        sel = (bits == b).nonzero().flatten()
+        if sel.numel() == 0 or d == 0:
+            continue
+        packed = _pack_rows(compact[sel], b)  # (k, ceil(D * b / 8)), zero past each row's codes
+        nb = (count[sel] * b + 7) // 8
+        j = torch.arange(packed.shape[1], device=x.device)
+        keep = j.unsqueeze(0) < nb.unsqueeze(1)
+        data[(offsets[sel].unsqueeze(1) + j)[keep]] = packed[keep]
+    return data, lo, step, pack_mask(nz.reshape(-1)), offsets
+
+
+def dequantize_sparse(data: Tensor, lo: Tensor, step: Tensor, mask: Tensor, bits: Tensor,
+                      offsets: Tensor, group_size: int, out: Tensor) -> Tensor:
+    """Inverse of :func:`quantize_sparse` into ``out`` (N, D): 0 where the mask is clear, else
+    ``q * step + lo`` in float32 (the k-th code of the row for its k-th nonzero), cast."""
+    n, d = out.shape
+    nz = unpack_mask(mask, n * d).view(n, d)
+    cidx, count, _ = _sparse_layout(nz, bits)
+    codes = torch.zeros(n, d, dtype=torch.uint8, device=out.device)
+    padded = torch.cat([data, data.new_zeros(d + 8)])  # a row's last bytes may be read whole
+    for b in (1, 2, 4, 8):
+        sel = (bits == b).nonzero().flatten()
+        if sel.numel() == 0 or d == 0:
+            continue
+        nb = (d * b + 7) // 8
+        codes[sel] = _unpack_rows(padded[_row_byte_index(offsets, sel, nb)], b, d)
+    q = torch.gather(codes, 1, cidx.clamp_min(0)).to(torch.float32)
+    val = q * _expand(step, d, group_size) + _expand(lo, d, group_size)
+    out.copy_(torch.where(nz, val, torch.zeros((), dtype=torch.float32, device=out.device)))
+    return out

@@ -92,3 +92,44 @@ class QuantizedTensor(CompressedPayload):
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={width}, "
                 f"group_size={self.group_size}, transform={self.transform}, "
                 f"zero_exact={self.zero_exact}, nbytes={self.nbytes})")
+
+
+@dataclass(frozen=True)
+class SparseQuantizedTensor(CompressedPayload):
+    """A tensor with many exact zeros: a 1-bit mask of its nonzeros plus codes of the nonzeros
+    only (:func:`actnn_zoo.quant.quantize_sparse`).
+
+    Why: a ReLU output is half zeros. Plain codes spend ``bits`` on every zero and ReLU needs a
+    mask besides; here the mask *is* ReLU's backward mask and the codes cover only the nonzero
+    half, so at 2 bits the whole costs what plain codes cost alone (1 + 2 / 2 bits per value),
+    and each group's range spans only its nonzero values (a finer step than a plain group's).
+    ``mask``: ``pack_mask(x != 0)`` in row-major order; ``lo`` / ``step`` bfloat16 ``(N, G)``
+    over each group's nonzeros; row ``n``'s codes, ``row_bits[n]`` each, start at byte
+    ``offsets[n]`` of ``data`` (offsets depend on the data, so they are always kept).
+    """
+
+    data: Tensor
+    lo: Tensor
+    step: Tensor
+    mask: Tensor
+    row_bits: Tensor
+    offsets: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    group_size: int
+
+    def tensors(self) -> Tuple[Tensor, ...]:
+        return (self.data, self.lo, self.step, self.mask, self.row_bits, self.offsets)
+
+    def spec(self) -> tuple:
+        return (self.shape, self.dtype, self.group_size)
+
+    @classmethod
+    def rebuild(cls, spec: tuple, tensors: Tuple[Tensor, ...]) -> "SparseQuantizedTensor":
+        shape, dtype, group_size = spec
+        data, lo, step, mask, row_bits, offsets = tensors
+        return cls(data, lo, step, mask, row_bits, offsets, shape, dtype, group_size)
+
+    def __repr__(self) -> str:
+        return (f"SparseQuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"group_size={self.group_size}, nbytes={self.nbytes})")

@@ -1,0 +1,88 @@
+"""Sparse codes: a tensor with many exact zeros kept as a mask of its nonzeros plus codes of the
+nonzeros only.
+
+Why (docs/design.md, "ReLU reads its consumer's codes"): a ReLU output is about half zeros and
+is saved twice in a plain zoo, as ReLU's 1-bit mask and as the next layer's 2-bit codes (3.125
+bits per value). Zero-exact codes drop the mask but give the positive values one interval
+fewer (at 2 bits: 2 instead of 3, about 2x the gradient error). Sparse codes keep the mask,
+which is then the only thing ReLU needs, and spend the codes on the nonzero values alone, with
+each group's range over its nonzeros: at half zeros and 2 bits, 1 + 1 + 0.125 bits per value,
+the size of zero-exact codes, with a finer step than plain codes. Stochastic rounding among a
+group's levels keeps them unbiased; zeros are exact.
+
+CPU kernels (``cpp_ext/sparse_cpu.cpp``), bit-identical to
+:func:`actnn_zoo.quant.reference.quantize_sparse`; other devices run that reference (torch ops):
+correct, not fast. The capture store uses sparse codes for ReLU outputs on the CPU only and
+zero-exact codes (which have CUDA kernels) elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .api import (ROUNDING, SUPPORTED_DTYPES, Bits, _row_bits, as_rows, check_group_size,
+                  check_sample_bits, draw_seed)
+from .backend import kernels
+from .tensor import SparseQuantizedTensor
+
+__all__ = ["quantize_sparse", "dequantize_sparse", "sparse_kernels"]
+
+
+def sparse_kernels(device: torch.device):
+    """The module whose ``quantize_sparse`` / ``dequantize_sparse`` run on ``device``: the
+    compiled CPU kernels when built, else the torch reference."""
+    k = kernels(device)
+    if device.type == "cpu" and getattr(k, "quantize_sparse", None) is not None:
+        return k
+    return reference
+
+
+def quantize_sparse(x: Tensor, bits: Bits = 2, group_size: int = 256,
+                    seed: Optional[int] = None, rounding: str = "stochastic",
+                    validate: Optional[bool] = None) -> SparseQuantizedTensor:
+    """Compress ``x`` as a mask of ``x != 0`` plus ``bits``-wide codes of its nonzero values.
+
+    ``bits``: 1, 2, 4 or 8, per-sample widths as a 1-d integer tensor, or
+    :class:`~actnn_zoo.quant.SampleBits`; ``group_size``, ``seed`` and ``rounding`` as in
+    :func:`~actnn_zoo.quant.quantize`. Each group of ``group_size`` positions has its range
+    over its nonzero values only; NaN counts as nonzero (its group decodes to NaN), -0.0 as
+    zero (decodes to +0.0). The result dequantizes to an unbiased estimate of ``x`` with the
+    zeros exact; its ``mask`` is ``pack_mask(x != 0)`` in row-major order.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    group_size = check_group_size(group_size)
+    if rounding not in ROUNDING:
+        raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
+    if seed is None:
+        seed = draw_seed() if rounding == "stochastic" else 0
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    rows = as_rows(x.detach())
+    n, d = rows.shape
+    row_bits, _ = _row_bits(bits, n, x.device)
+    check_sample_bits(bits, validate)
+    data, lo, step, mask, offsets = sparse_kernels(x.device).quantize_sparse(
+        rows.contiguous(), row_bits.contiguous(), group_size, seed & 0xFFFFFFFF,
+        rounding == "stochastic")
+    return SparseQuantizedTensor(data, lo, step, mask, row_bits, offsets, x.shape, x.dtype,
+                                 group_size)
+
+
+def dequantize_sparse(q: SparseQuantizedTensor) -> Tensor:
+    """Reconstruct a contiguous tensor of ``q``'s shape and dtype (zeros where the mask is
+    clear)."""
+    if not isinstance(q, SparseQuantizedTensor):
+        raise TypeError(f"dequantize_sparse expects a SparseQuantizedTensor, got "
+                        f"{type(q).__name__}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    sparse_kernels(q.device).dequantize_sparse(q.data, q.lo, q.step, q.mask, q.row_bits,
+                                               q.offsets, q.group_size, as_rows(out))
+    return out
