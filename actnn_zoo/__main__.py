@@ -85,7 +85,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.mode == "fp32":
         return 0
     other = apply_mode(copy.deepcopy(model), args.mode, args.bits, args.config, args.strategy)
-    rep = saved_activation_bytes(other, x, loss_fn=lambda o: loss(o, y))
+    rep = saved_activation_bytes(other, x, loss_fn=lambda o: loss(o, y), warmup=1)
     label = args.mode if args.mode != "bits" else f"converted (bits={args.bits or 'config'})"
     ratio = ref.total_bytes / max(1, rep.total_bytes)
     print(f"\n{label}: {rep.mib:.3f} MiB in {rep.num_tensors} tensors "

@@ -191,14 +191,21 @@ def _storage_key(t: Tensor) -> Optional[Tuple[str, int]]:
 
 def saved_activation_bytes(model: nn.Module, *inputs: Any,
                            loss_fn: Optional[Callable[[Any], Tensor]] = None,
-                           preserve_state: bool = True, **kwargs: Any) -> SavedReport:
+                           preserve_state: bool = True, warmup: int = 0,
+                           **kwargs: Any) -> SavedReport:
     """Bytes autograd keeps for backward after ``model(*inputs, **kwargs)`` (plus
     ``loss_fn(output)`` when given), per module and in total.
 
     The model runs in its current train/eval mode with grad enabled. With ``preserve_state``
     the forward leaves no trace: buffers (BatchNorm running statistics) are restored and the
     RNG state (dropout, stochastic rounding) is forked, so measuring does not perturb training.
+    ``warmup``: forwards run (and measured) first and discarded. A converted model saves less
+    from its second training forward on (its ReLUs learn in the first whether the next layer
+    compresses their output, ``relu_codes``): ``warmup=1`` measures that steady state.
     """
+    for _ in range(warmup):
+        saved_activation_bytes(model, *inputs, loss_fn=loss_fn, preserve_state=preserve_state,
+                               **kwargs)
     report = SavedReport(training=model.training)
     for t in list(model.parameters()) + list(model.buffers()):
         key = _storage_key(t)

@@ -40,6 +40,7 @@ import actnn_zoo as az
 from actnn_zoo.quant import reference as R
 from actnn_zoo.quant.api import _masked_grad_torch, masked_grad, pack_compare, pack_mask
 from actnn_zoo.quant.backend import extension
+from actnn_zoo.quant.sparse import dequantize_sparse, quantize_sparse
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -149,6 +150,22 @@ def main() -> None:
             del y
             if keep:
                 record(("mask", name), t)
+        # ReLU's output at 2 bits: plain codes (plus ReLU's own mask) against sparse codes
+        for name, qfn, dqfn in (
+                ("plain", lambda: az.quantize(relu_out, 2, args.group_size, seed=rnd),
+                 az.dequantize),
+                ("zero-exact", lambda: az.quantize(relu_out, 2, args.group_size, seed=rnd,
+                                                   zero_exact=True), az.dequantize),
+                ("sparse", lambda: quantize_sparse(relu_out, 2, args.group_size, seed=rnd),
+                 dequantize_sparse)):
+            t_q, q = timed(qfn)
+            t_dq, y = timed(lambda: dqfn(q))
+            del y
+            if keep:
+                record(("relu q", name), t_q)
+                record(("relu dq", name), t_dq)
+                record(("relu bytes", name), q.nbytes)
+            del q
 
     med = {k: statistics.median(v) for k, v in times.items()}
     clone, copy_ = med["clone"], med["copy_"]
@@ -186,6 +203,14 @@ def main() -> None:
     for name in ("torch.relu", "pack unfused", "pack_compare"):
         t = med[("mask", name)]
         print(f"  {name:<20} {t * 1e3:9.2f} ms  {t / tr:6.2f}x   {t / clone:6.2f}x clone")
+
+    print("\nReLU output (half zeros) at 2 bits, ratio = time / x.clone() time; bytes kept "
+          "(plain codes need ReLU's 1-bit mask besides):")
+    for name in ("plain", "zero-exact", "sparse"):
+        q, dq = med[("relu q", name)], med[("relu dq", name)]
+        kept = med[("relu bytes", name)] + (x.numel() + 7) // 8 * (name == "plain")
+        print(f"  {name:<11} quantize {q * 1e3:7.2f} ms {q / clone:5.2f}x   dequantize "
+              f"{dq * 1e3:7.2f} ms {dq / clone:5.2f}x   kept {kept / 2 ** 20:6.2f} MiB")
 
 
 if __name__ == "__main__":

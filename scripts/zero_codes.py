@@ -1,9 +1,10 @@
-"""What zero-exact ReLU codes buy and cost on the ResNet-style CNN (docs/design.md,
-"Compress each tensor once").
+"""What ReLU codes buy and cost on the ResNet-style CNN (docs/design.md, "ReLU reads its
+consumer's codes").
 
 For each config (the 2-bit default, uniform 2 bits) and each mode (``codes``: ``relu_codes:
-true``, ReLUs read their backward from the consumer's zero-exact payload; ``masks``: the
-default, every ReLU keeps its own 1-bit mask), on one fixed batch of DigitsResNet at batch 256:
+true``, the default, ReLUs read their backward from the mask of the consumer's sparse codes;
+``masks``: ``relu_codes: false``, every ReLU keeps its own 1-bit mask), on one fixed batch of
+DigitsResNet at batch 256:
 
 * the saved-activation compression against fp32 (one training forward plus the loss, measured
   on the second forward, once the ReLUs have learned their consumers);

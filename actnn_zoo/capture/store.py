@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
-from .._torch_private import tensor_base, tensor_version
+from .._torch_private import (inside_checkpoint, saved_by_checkpoint, tensor_base,
+                              tensor_version)
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, pack_mask, quantize, unpack_mask
 from ..quant.sparse import quantize_sparse
@@ -291,13 +292,21 @@ class CompressedStore:
         if x.layout != torch.strided:
             return quantize_fn(x, bits, group_size, **kw)
         memory = _memory_key(x) if (self._claims or self._offers) and kind == "quant" else None
-        claim = self._claims.pop(memory, None) if memory is not None else None
+        claim = offer = None
+        if memory is not None:
+            claim = self._claims.pop(memory, None)
+            offer = self._offers.pop(memory, None) if claim is None else None
+            if (claim is not None or offer is not None) and inside_checkpoint():
+                # a consumer inside a checkpointed segment: its recomputation saves plain
+                # codes, so it must save them here too; the claim is left to a later save
+                # (else finish() packs the mask) and the offer is declined
+                if claim is not None:
+                    self._claims[memory] = claim
+                claim = offer = None
         if claim is not None:
             quantize_fn = _sparse
-        elif memory is not None:
-            offer = self._offers.pop(memory, None)
-            if offer is not None and offer[0]() is not None:
-                offer[1].enabled = True  # the next forwards share this output's codes
+        elif offer is not None and offer[0]() is not None:
+            offer[1].enabled = True  # the next forwards share this output's codes
         if not isinstance(bits, int):
             q = quantize_fn(x, bits, group_size, **kw)  # per-sample: not shared
             if claim is not None:
@@ -392,6 +401,9 @@ class CompressedStore:
             self._probe_seen = True  # hooks_innermost's probe
             return t
         stats = self.stats
+        if saved_by_checkpoint(__file__):  # a segment's input: its recomputation reads it
+            stats._pass("checkpoint input", t)
+            return t
         if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
             stats._pass("tensor subclass", t)
             return t
