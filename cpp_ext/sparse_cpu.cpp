@@ -11,6 +11,7 @@
 #include "bf16_cpu.h"
 #include "codes_cpu.h"
 #include "isa_cpu.h"
+#include "pages_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -114,12 +115,15 @@ void pack_row(uint8_t* codes, int64_t count, uint8_t* out) {
 template <typename T, bool kStochastic>
 void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size,
                           const uint8_t* bits, uint32_t key, uint16_t* lo, uint16_t* step,
-                          int64_t* counts, at::Tensor& data_out, int64_t* offsets) {
+                          int64_t* counts, at::Tensor& data_out, int64_t* offsets,
+                          uint8_t* mask) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
-  // Pass 1: per group, the metadata; per row, the number of nonzeros.
+  // Pass 1: per group, the metadata; per row, the number of nonzeros; the mask too when rows
+  // are whole bytes (mask != nullptr; else sparse_mask wrote it).
   at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
     run_fast([&] {
       alignas(64) float buf[kBlock];
+      alignas(64) uint8_t nz[kBlock];
       for (int64_t n = begin; n < end; ++n) {
         const float levels = static_cast<float>((1 << bits[n]) - 1);
         int64_t row_count = 0;
@@ -133,6 +137,12 @@ void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_s
             const int n16 = (blk + 15) & ~15;
             load_padded(x + n * d + start + e, blk, n16, buf);
             block_range(buf, n16, mn, mx, bad, cnt);
+            if (mask != nullptr) {  // rows of whole bytes: this block's mask bytes are its own
+#pragma omp simd
+              for (int k = 0; k < n16; ++k) nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
+              uint8_t* mb = mask + ((n * d + start + e) >> 3);
+              for (int j = 0; j < blk / 8; ++j) mb[j] = gather8(nz + 8 * j);
+            }
           }
           row_count += cnt;
           const int64_t id = n * g_per_row + g;
@@ -349,13 +359,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   const uint8_t* b = bits.data_ptr<uint8_t>();
   int64_t* off = offsets.data_ptr<int64_t>();
   auto run = [&](auto* x) {
-    sparse_mask(x, n_rows * d, mask.data_ptr<uint8_t>());
+    uint8_t* fused = nullptr;  // the mask written by pass 1 (rows of whole bytes)
+    if (d % 8 == 0) {
+      fused = mask.data_ptr<uint8_t>();
+    } else {
+      sparse_mask(x, n_rows * d, mask.data_ptr<uint8_t>());
+    }
     if (stochastic) {
       quantize_sparse_impl<std::remove_const_t<std::remove_pointer_t<decltype(x)>>, true>(
-          x, n_rows, d, group_size, b, key, lo_p, step_p, counts.data(), data, off);
+          x, n_rows, d, group_size, b, key, lo_p, step_p, counts.data(), data, off, fused);
     } else {
       quantize_sparse_impl<std::remove_const_t<std::remove_pointer_t<decltype(x)>>, false>(
-          x, n_rows, d, group_size, b, key, lo_p, step_p, counts.data(), data, off);
+          x, n_rows, d, group_size, b, key, lo_p, step_p, counts.data(), data, off, fused);
     }
   };
   if (t == at::kFloat) {
@@ -407,6 +422,7 @@ at::Tensor dequantize_sparse(const at::Tensor& data, const at::Tensor& lo, const
                       " bytes at offset ", off[n], ") does not fit in data (", data.numel(),
                       " bytes)");
   }
+  advise_huge_pages(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
   const uint8_t* dp = data.data_ptr<uint8_t>();
   const uint16_t* lp = reinterpret_cast<const uint16_t*>(lo.data_ptr());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(step.data_ptr());

@@ -49,6 +49,8 @@ def modes(model: str, batch: int, kwargs: Dict[str, Any]) -> Dict[str, StepSpec]
         "2-bit uniform": dataclasses.replace(base, mode="bits", bits=2, strategy="uniform"),
         "2-bit, chunks 4": dataclasses.replace(base, mode="bits", bits=None,
                                                config={"backward_chunks": 4}),
+        "2-bit ReLU masks": dataclasses.replace(base, mode="bits", bits=None,
+                                                config={"relu_codes": False}),
     }
 
 

@@ -401,9 +401,6 @@ class CompressedStore:
             self._probe_seen = True  # hooks_innermost's probe
             return t
         stats = self.stats
-        if saved_by_checkpoint(__file__):  # a segment's input: its recomputation reads it
-            stats._pass("checkpoint input", t)
-            return t
         if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
             stats._pass("tensor subclass", t)
             return t
@@ -424,6 +421,9 @@ class CompressedStore:
             return t
         if t.dtype != torch.bool and t.dtype not in COMPRESSIBLE:
             stats._pass("float64" if t.dtype == torch.float64 else "integer", t)
+            return t
+        if saved_by_checkpoint(__file__):  # a segment's input: its recomputation reads it
+            stats._pass("checkpoint input", t)
             return t
         perm = dense_order(t)
         if perm is None:
