@@ -623,21 +623,22 @@ class _CheckpointedGelu(nn.Module):
         return self.o(checkpoint(lambda h: F.gelu(self.l(h)), x, use_reentrant=False, **kw))
 
 
-def test_routed_calls_inside_a_non_reentrant_checkpoint_need_checkpoint_context():
+def test_routed_calls_inside_a_non_reentrant_checkpoint():
+    """Without a context_fn tier 2 leaves the segment's calls alone (its recomputation runs
+    after the session closed, as plain ops, and saves what the forward saved): no
+    CheckpointError, fp32's gradients. With checkpoint_context(model) forward and
+    recomputation both route (what the recomputation saves is compressed)."""
     torch.manual_seed(0)
     x = torch.randn(128, 64)
-    plain = az.convert_model(_CheckpointedGelu(context=False))
-    with pytest.raises(torch.utils.checkpoint.CheckpointError):
-        plain(x).sum().backward()  # the recomputation ran the plain gelu: other saves
     ref = _CheckpointedGelu(context=False)
-    ref.load_state_dict(plain.state_dict())
     ref(x).sum().backward()
-    q = az.convert_model(_CheckpointedGelu(context=True), bits=8, strategy="uniform")
-    q.load_state_dict(ref.state_dict())
-    q(x).sum().backward()
-    assert az.capture_report(q).routed == {"gelu": 1}
-    for a, b in zip(ref.parameters(), q.parameters()):
-        assert cos(b.grad, a.grad) >= 0.9999
+    for context in (False, True):
+        q = az.convert_model(_CheckpointedGelu(context=context), bits=8, strategy="uniform")
+        q.load_state_dict(ref.state_dict())
+        q(x).sum().backward()
+        assert az.capture_report(q).routed == ({"gelu": 1} if context else {})
+        for a, b in zip(ref.parameters(), q.parameters()):
+            assert cos(b.grad, a.grad) >= 0.9999
     with pytest.raises(ValueError, match="not converted with capture"):
         from actnn_zoo.capture import checkpoint_context
 
@@ -694,3 +695,23 @@ def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them():
     # the quantizer's), not only the call of the layer and the relu
     assert counter.calls > 10
     assert q.lin.weight.grad is not None
+
+
+def test_transformers_gradient_checkpointing_needs_no_context():
+    """HF's gradient_checkpointing_enable() (non-reentrant torch.utils.checkpoint around each
+    block) on a converted GPT-2: no CheckpointError without a context_fn, and at 8 bits the
+    gradient matches fp32's."""
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ref = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500,
+                                         n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)).train()
+    x = torch.randint(0, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+    q = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
+    q.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    q.config.use_cache = False
+    for m in (ref, q):
+        F.cross_entropy(m(x).logits.flatten(0, 1), x.flatten()).backward()
+    g_r = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    g_q = torch.cat([p.grad.flatten() for p in q.parameters()])
+    assert cos(g_r, g_q) >= 0.9999

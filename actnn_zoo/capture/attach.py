@@ -20,7 +20,7 @@ from torch import nn
 from ..config import LayerQConfig, QuantConfig
 from . import session as S
 from .handlers import HANDLERS
-from .mode import CaptureMode
+from .mode import CaptureMode, routed_segment
 from .store import CaptureStats, CompressedStore
 
 __all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
@@ -141,12 +141,12 @@ class _Routing:
 
 def checkpoint_context(model: nn.Module) -> Callable[[], Tuple[Any, Any]]:
     """``context_fn`` for ``torch.utils.checkpoint(fn, ..., use_reentrant=False,
-    context_fn=checkpoint_context(model))`` inside a converted model's forward.
+    context_fn=checkpoint_context(model))`` inside a converted model's forward: tier 2 routes
+    the segment's functional calls in its forward and in its recomputation alike.
 
-    A non-reentrant checkpoint recomputes ``fn`` in backward, after the forward's capture
-    session has closed; functional calls that tier 2 routed in forward would then run as
-    plain torch ops, save other tensors, and torch raises ``CheckpointError``. With this
-    ``context_fn`` the recomputation routes the same calls to the same Functions.
+    Not needed for correctness: without it tier 2 leaves a checkpointed segment's calls alone
+    (a segment keeps nothing of its forward, and its recomputation runs after the session
+    closed). With it the tensors the recomputation saves during backward are compressed too.
     """
     capture = vars(model).get(CAPTURE_ATTR)
     if not isinstance(capture, Capture):
@@ -155,7 +155,7 @@ def checkpoint_context(model: nn.Module) -> Callable[[], Tuple[Any, Any]]:
     qconfig = capture.qconfig
 
     def context_fn() -> Tuple[Any, Any]:
-        return contextlib.nullcontext(), CaptureMode(_Routing(qconfig), HANDLERS)
+        return routed_segment(), CaptureMode(_Routing(qconfig), HANDLERS, in_segments=True)
     return context_fn
 
 

@@ -11,25 +11,51 @@ once (:func:`call_unrouted`), so torch takes the mode off the stack while the la
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
+from .._torch_private import inside_checkpoint
 from .handlers import Handler
 
-__all__ = ["CaptureMode", "call_unrouted"]
+__all__ = ["CaptureMode", "call_unrouted", "routed_segment"]
 
 # A constant plain tensor for has_torch_function, which consults modes only when it is given a
 # tensor (with no arguments it answers False whatever is on the mode stack).
 _PLAIN = (torch.empty(0),)
 
 
+# Set while a checkpointed segment runs under checkpoint_context's forward context: its
+# recomputation routes (the context's recompute mode), so its forward must route too.
+_ROUTED_SEGMENT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "actnn_zoo_routed_segment", default=False)
+
+
+@contextlib.contextmanager
+def routed_segment() -> Iterator[None]:
+    """Route inside the checkpointed segment this context is entered for (see above)."""
+    token = _ROUTED_SEGMENT.set(True)
+    try:
+        yield
+    finally:
+        _ROUTED_SEGMENT.reset(token)
+
+
 class CaptureMode(TorchFunctionMode):
-    def __init__(self, session: Any, table: Mapping[Callable, Handler]) -> None:
+    """``in_segments``: route also inside a ``torch.utils.checkpoint`` segment. The forward's
+    mode does not (unless the segment runs under :func:`routed_segment`): a segment keeps
+    nothing of its forward, and its recomputation in backward runs after the session closed,
+    as plain torch ops, which must save what the forward saved (else ``CheckpointError``)."""
+
+    def __init__(self, session: Any, table: Mapping[Callable, Handler],
+                 in_segments: bool = False) -> None:
         super().__init__()
         self.session = session
         self.table = table
+        self.in_segments = in_segments
 
     def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -38,6 +64,8 @@ class CaptureMode(TorchFunctionMode):
         kwargs = kwargs or {}
         handler = self.table.get(func)
         if handler is None or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        if not self.in_segments and not _ROUTED_SEGMENT.get() and inside_checkpoint():
             return func(*args, **kwargs)
         return handler(self.session, func, args, kwargs)
 
