@@ -383,3 +383,36 @@ def test_float64_model():
         model(x2).square().mean().backward()
         assert torch.equal(x1.grad, x2.grad)
     assert model.relu._zero_codes.enabled
+
+
+class ConvReluConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.c1 = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.c1(self.relu(self.c0(x)))
+
+
+@pytest.mark.parametrize("dtype,channels_last", [(torch.float32, True), (torch.bfloat16, False),
+                                                 (torch.float16, True)])
+def test_sparse_claim_layouts_and_dtypes(dtype, channels_last):
+    """A channels_last or 16-bit ReLU output shared as sparse codes: ReLU keeps nothing from
+    the second forward on, and the input gradient (ReLU's mask and the weights only) equals the
+    unconverted model's bit for bit."""
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    ref = ConvReluConv().to(dtype=dtype, memory_format=fmt)
+    model = az.convert_model(copy.deepcopy(ref))
+    for step in range(3):
+        x = torch.randn(4, 3, 8, 8).to(dtype=dtype, memory_format=fmt)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref(x1).float().square().mean().backward()
+        model(x2).float().square().mean().backward()
+        assert torch.equal(x1.grad, x2.grad), step
+    assert model.relu._zero_codes.enabled
+    rep = saved_activation_bytes(model, torch.randn(4, 3, 8, 8).to(dtype=dtype, memory_format=fmt),
+                                 loss_fn=lambda o: o.float().square().mean())
+    assert not any("relu" in k for k in rep.module_bytes)

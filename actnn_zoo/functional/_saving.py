@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ..capture.session import active_session
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, dequantize_rows, quantize
+from ..quant import Bits, QuantizedTensor, SampleBits, dequantize_rows, quantize
 from ..quant.tensor import CompressedPayload
 from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
                               uses_division)
@@ -138,3 +138,57 @@ def sample_chunks(item: Saved, chunks: int) -> List[Tuple[int, int]]:
     k = min(chunks, n)
     bounds = [n * i // k for i in range(k + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+# A tensor made only to be compressed (an activation's derivative) is made and quantized this
+# many bytes at a time when it is larger: the whole float32 map never exists.
+PRODUCE_CHUNK_BYTES = 1 << 20
+
+
+def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
+                      qconfig: LayerQConfig, bits: Optional[Bits] = None,
+                      nbytes_per_value: int = 4) -> Optional[QuantizedTensor]:
+    """``compress(t)`` of a float tensor ``t`` of ``shape`` that exists only to be compressed,
+    made by ``produce(start, stop)`` (its samples ``start:stop``, contiguous, rows of dim 0) a
+    chunk of samples at a time, so that at most ``PRODUCE_CHUNK_BYTES`` of it exist at once.
+
+    Why: a smooth activation computes its float32 derivative f'(x) in forward only to quantize
+    it; whole, that map sat next to the layer's input and output and set the forward's peak
+    (the transformer's MLP). Returns None when chunking does not apply -- fewer than 2 chunks'
+    worth, a compressor other than the plain quantizer (DIVISION, a rotation), or per-sample
+    widths off the CPU (their per-chunk bound would need a device read) -- and the caller then
+    makes the tensor whole and calls :func:`compress`. The codes are those of quantizing each
+    chunk with its own seed (the same contract: unbiased, per-group metadata).
+    """
+    b = qconfig.bits if bits is None else bits
+    n = shape[0] if len(shape) >= 2 else 1
+    total = shape.numel() * nbytes_per_value
+    k = min(n, -(-total // PRODUCE_CHUNK_BYTES))
+    if k < 2 or qconfig.compressor != "quant" or qconfig.transform != "none":
+        return None
+    if isinstance(b, SampleBits) and b.bits.device.type != "cpu":
+        return None
+    bounds = [n * i // k for i in range(k + 1)]
+    parts = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        if isinstance(b, SampleBits):
+            rows = b.bits[start:stop]
+            cb: Bits = SampleBits(rows, int(rows.long().sum()))
+        elif isinstance(b, Tensor):
+            cb = b[start:stop]
+        else:
+            cb = b
+        parts.append(quantize(produce(start, stop), cb, qconfig.group_size,
+                              rounding=qconfig.rounding))
+    first = parts[0]
+    data = torch.cat([p.data for p in parts])
+    lo, step = torch.cat([p.lo for p in parts]), torch.cat([p.step for p in parts])
+    if not first.mixed:
+        return QuantizedTensor(data, lo, step, shape, first.dtype, first.bits, first.group_size)
+    offsets, base = [], 0
+    for p in parts:
+        offsets.append(p.offsets[:-1] + base)
+        base += p.data.numel()
+    offsets.append(torch.tensor([base], dtype=torch.int64, device=data.device))
+    return QuantizedTensor(data, lo, step, shape, first.dtype, None, first.group_size,
+                           torch.cat([p.row_bits for p in parts]), torch.cat(offsets))

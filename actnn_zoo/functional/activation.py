@@ -25,7 +25,8 @@ from ..capture.session import active_session
 from ..capture.store import ZeroCodeClaim, ZeroCodeSlot, save_probe
 from ..quant import Bits, pack_compare, unpack_mask
 from ..quant.api import masked_grad
-from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
+from ._saving import (compress, compress_produced, dequantize_rows, load, restore,
+                      sample_chunks, save)
 
 OptBits = Optional[Bits]
 
@@ -309,17 +310,28 @@ class DerivativeActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, op: str, params: Tuple, qconfig: LayerQConfig, bits: OptBits,
                 inplace: bool) -> Tensor:
-        if op in ("sigmoid", "tanh"):
-            out = _apply_op(op, x, params, inplace)
-            deriv = activation_derivative(op, x, out, params)
-        else:
-            deriv = activation_derivative(op, x, None, params)  # before any in-place update
+        uses_out = op in ("sigmoid", "tanh")
+        perm = memory_perm(x)
+        shape = x.shape if perm is None else x.permute(perm).shape
+
+        def produce(start: int, stop: int) -> Tensor:  # samples start:stop of f'(x)
+            y = out[start:stop] if uses_out else None
+            d = activation_derivative(op, x[start:stop], y, params)
+            return to_memory_order(d.to(torch.float32), perm)
+
+        # f'(x) before any in-place update of x (sigmoid/tanh read the output instead); made
+        # and quantized a chunk of samples at a time when large (compress_produced)
+        out = _apply_op(op, x, params, inplace) if uses_out else None
+        q = compress_produced(produce, shape, qconfig, bits)
+        deriv = activation_derivative(op, x, out, params) if q is None else None
+        if not uses_out:
             out = _apply_op(op, x, params, inplace)
         if inplace:
             ctx.mark_dirty(x)
-        perm = memory_perm(deriv)
-        q = compress(to_memory_order(deriv.to(torch.float32), perm), qconfig, bits)
-        del deriv
+        if q is None:
+            perm = memory_perm(deriv)
+            q = compress(to_memory_order(deriv.to(torch.float32), perm), qconfig, bits)
+            del deriv
         ctx.perm = perm
         ctx.in_dtype = x.dtype
         ctx.op = op

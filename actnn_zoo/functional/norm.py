@@ -35,7 +35,8 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor
-from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
+from ._saving import (compress, compress_produced, dequantize_rows, load, restore,
+                      sample_chunks, save)
 from .linear import cast, dtype_of, first_order_only, memory_format_of
 
 
@@ -87,6 +88,24 @@ def _normalize(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
     return (x.to(work) - mean.to(work)).mul_(invstd.to(work))
 
 
+def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: LayerQConfig,
+                         bits: Bits):
+    """``compress(_normalize(xc, mean, invstd))``, the normalized copy made and quantized a chunk
+    of samples at a time when large (``compress_produced``): the forward never holds it whole
+    next to the layer's input and output. Statistics with a sample dim are sliced with it."""
+    n = xc.shape[0] if xc.dim() >= 2 else 1
+
+    def rows(stat: Tensor, start: int, stop: int) -> Tensor:
+        return stat[start:stop] if stat.dim() and stat.shape[0] == n else stat
+
+    def produce(start: int, stop: int) -> Tensor:
+        t = _normalize(xc[start:stop], rows(mean, start, stop), rows(invstd, start, stop))
+        return t.float() if t.dtype == torch.float64 else t  # quantized through float32
+
+    q = compress_produced(produce, xc.shape, qconfig, bits)
+    return q if q is not None else compress(_normalize(xc, mean, invstd), qconfig, bits)
+
+
 def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype,
                  owned: bool = False) -> Tensor:
     """x = x_hat / invstd + mean, cast to the compute dtype of the backward op. ``owned``: x_hat
@@ -124,8 +143,8 @@ class BatchNormFunction(torch.autograd.Function):
         ctx.compute_dtype = dt
         x_q = None
         if _needs_saved_input(ctx, 1):
-            x_q = compress(_normalize(xc, _per_channel(mean, xc), _per_channel(invstd, xc)),
-                           qconfig, bits)
+            x_q = _compress_normalized(xc, _per_channel(mean, xc), _per_channel(invstd, xc),
+                                       qconfig, bits)
         save(ctx, x_q, mean, invstd, weight)
         return out
 
@@ -252,8 +271,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
         x_q = None
         if _needs_saved_input(ctx, 1):
-            x_q = compress(_normalize(xc, _per_channel(mean, xc), _per_channel(invstd, xc)),
-                           qconfig, bits)
+            x_q = _compress_normalized(xc, _per_channel(mean, xc), _per_channel(invstd, xc),
+                                       qconfig, bits)
         save(ctx, x_q, mean, invstd, weight)
         return out
 
@@ -305,7 +324,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.compute_dtype = dt
         x_q = None
         if _needs_saved_input(ctx, 2):
-            x_q = compress(_normalize(xc, mean, rstd), qconfig, bits)
+            x_q = _compress_normalized(xc, mean, rstd, qconfig, bits)
         save(ctx, x_q, mean, rstd, weight, bias)
         return out
 
@@ -355,8 +374,8 @@ class GroupNormFunction(torch.autograd.Function):
         ctx.compute_dtype = dt
         x_q = None
         if _needs_saved_input(ctx, 2):
-            x_q = compress(_normalize(xc, _per_group(mean, xc, num_groups),
-                                      _per_group(rstd, xc, num_groups)), qconfig, bits)
+            x_q = _compress_normalized(xc, _per_group(mean, xc, num_groups),
+                                       _per_group(rstd, xc, num_groups), qconfig, bits)
         save(ctx, x_q, mean, rstd, weight)
         return out
 
