@@ -97,6 +97,16 @@ AZ_INLINE void pack_block(const uint8_t* __restrict codes, int nbytes, uint8_t* 
   }
 }
 
+// 8 bytes of 0/1 (m[k] for element k) folded into one mask byte, element k at bit k.
+AZ_INLINE uint8_t gather8(const uint8_t* m) {
+  uint64_t v;
+  std::memcpy(&v, m, 8);
+  v |= v >> 7;
+  v |= v >> 14;
+  v |= v >> 28;
+  return static_cast<uint8_t>(v);
+}
+
 struct GroupMeta {
   uint16_t lo, step;  // bf16 bit patterns
   bool bad;           // lo = step = NaN, codes 0

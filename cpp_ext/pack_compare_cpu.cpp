@@ -13,6 +13,7 @@
 //   kind 1 "gt":      v > lo              LeakyReLU's backward (NaN -> 0)
 //   kind 2 "between": v > lo && v < hi    Hardtanh / ReLU6 (NaN -> 0)
 #include "kernels.h"
+#include "codes_cpu.h"
 #include "isa_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -48,14 +49,6 @@ inline bool predicate(C v, C lo, C hi) {
 // of 0/1 gathered into one output byte each by shifts (pack_mask's trick), all in L1.
 constexpr int kPackBlock = 64;
 
-inline uint8_t gather8(const uint8_t* m) {
-  uint64_t v;
-  std::memcpy(&v, m, 8);
-  v |= v >> 7;
-  v |= v >> 14;
-  v |= v >> 28;
-  return static_cast<uint8_t>(v);
-}
 
 template <int kKind, typename T, typename C>
 void pack_compare_impl(const T* x, int64_t n, C lo, C hi, uint8_t* out) {

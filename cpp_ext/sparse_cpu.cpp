@@ -49,15 +49,7 @@ AZ_INLINE void load_padded(const T* x, int n, int n16, float* __restrict buf) {
 }
 
 // Bit i of the flat mask: x[i] != 0 (NaN -> 1, +-0.0 -> 0), 64 values at a time into bytes of
-// 0/1, then 8 bytes into one (pack_compare's scheme). Tasks own whole bytes.
-AZ_INLINE uint8_t gather8(const uint8_t* m) {
-  uint64_t v;
-  std::memcpy(&v, m, 8);
-  v |= v >> 7;
-  v |= v >> 14;
-  v |= v >> 28;
-  return static_cast<uint8_t>(v);
-}
+// 0/1, then 8 bytes into one (gather8, pack_compare's scheme). Tasks own whole bytes.
 
 template <typename T>
 void sparse_mask(const T* x, int64_t total, uint8_t* mask) {

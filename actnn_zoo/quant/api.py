@@ -188,23 +188,13 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     (a ReLU output) code 0 means exactly ``x == 0``, which :func:`masked_grad_codes` reads.
     Groups without a zero are coded as usual.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    group_size = check_group_size(group_size)
-    if rounding not in ROUNDING:
-        raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
+    group_size, seed = check_quantize_args(x, group_size, rounding, seed)
     check_transform(transform)
     check_transform_group(transform, group_size)
     if zero_exact:
         if transform != "none":
             raise ValueError(f"zero_exact needs transform='none', got {transform!r}")
         _check_zero_exact_bits(bits, validate)
-    if seed is None:
-        seed = draw_seed() if rounding == "stochastic" else 0
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
 
     rows = as_rows(x.detach())
     n, d = rows.shape
@@ -233,6 +223,24 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
                                row_bits, offsets, transform, tseed, zero_exact)
     return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
                            transform=transform, transform_seed=tseed, zero_exact=zero_exact)
+
+
+def check_quantize_args(x: Tensor, group_size: int, rounding: str,
+                        seed: Optional[int]) -> Tuple[int, int]:
+    """The checks every quantizer makes of its input and settings; returns (group_size, the
+    seed, drawn from torch's generator when None and rounding is stochastic)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    group_size = check_group_size(group_size)
+    if rounding not in ROUNDING:
+        raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
+    if seed is None:
+        seed = draw_seed() if rounding == "stochastic" else 0
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    return group_size, seed
 
 
 def _check_zero_exact_bits(bits: Bits, validate: Optional[bool]) -> None:

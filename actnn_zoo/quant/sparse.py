@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .api import (ROUNDING, SUPPORTED_DTYPES, Bits, _row_bits, as_rows, check_group_size,
-                  check_sample_bits, draw_seed)
+from .api import Bits, _row_bits, as_rows, check_quantize_args, check_sample_bits
 from .backend import kernels
 from .tensor import SparseQuantizedTensor
 
@@ -52,17 +51,7 @@ def quantize_sparse(x: Tensor, bits: Bits = 2, group_size: int = 256,
     zero (decodes to +0.0). The result dequantizes to an unbiased estimate of ``x`` with the
     zeros exact; its ``mask`` is ``pack_mask(x != 0)`` in row-major order.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    group_size = check_group_size(group_size)
-    if rounding not in ROUNDING:
-        raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
-    if seed is None:
-        seed = draw_seed() if rounding == "stochastic" else 0
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    group_size, seed = check_quantize_args(x, group_size, rounding, seed)
     rows = as_rows(x.detach())
     n, d = rows.shape
     row_bits, _ = _row_bits(bits, n, x.device)
