@@ -391,23 +391,28 @@ class SharedNet(nn.Module):
 
 
 class QuantizeSpy:
-    """Every tensor the Functions compress: (values, bits the codes use)."""
+    """Every tensor the Functions compress: (values, bits per value the widths give them).
+    Plain codes and the sparse codes a ReLU output shared with its consumer (which store codes
+    for the nonzeros only, at the same row widths) both count every value at its row's width."""
 
     def __init__(self, monkeypatch) -> None:
+        from actnn_zoo.capture import store
         from actnn_zoo.functional import _saving
         self.calls: List[Tuple[int, float]] = []
-        real = _saving.quantize
 
-        def spy(x: Tensor, bits, *args, **kwargs):
-            q = real(x, bits, *args, **kwargs)
-            rows = q.shape[0] if len(q.shape) > 1 else 1
-            per_row = q.numel() // max(rows, 1)
-            used = (float(q.row_bits.double().sum()) * per_row if q.mixed
-                    else float(q.bits) * q.numel())
-            self.calls.append((q.numel(), used))
-            return q
+        def spying(real):
+            def spy(x: Tensor, bits, *args, **kwargs):
+                q = real(x, bits, *args, **kwargs)
+                rows = q.shape[0] if len(q.shape) > 1 else 1
+                per_row = q.numel() // max(rows, 1)
+                used = (float(q.row_bits.double().sum()) * per_row if q.mixed
+                        else float(q.bits) * q.numel())
+                self.calls.append((q.numel(), used))
+                return q
+            return spy
 
-        monkeypatch.setattr(_saving, "quantize", spy)
+        monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
+        monkeypatch.setattr(store, "quantize_sparse", spying(store.quantize_sparse))
 
     def take(self) -> float:
         values = sum(c[0] for c in self.calls)

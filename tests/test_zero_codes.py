@@ -25,7 +25,7 @@ from actnn_zoo.quant import SampleBits, dequantize, masked_grad_codes, quantize
 from actnn_zoo.quant import reference as R
 from actnn_zoo.quant.api import _uniform_offsets
 from actnn_zoo.quant.backend import extension
-from actnn_zoo.memory import saved_activation_bytes
+from actnn_zoo.memory import ROOT, saved_activation_bytes
 
 needs_ext = pytest.mark.skipif(extension() is None, reason="compiled extension not built")
 
@@ -416,3 +416,58 @@ def test_sparse_claim_layouts_and_dtypes(dtype, channels_last):
     rep = saved_activation_bytes(model, torch.randn(4, 3, 8, 8).to(dtype=dtype, memory_format=fmt),
                                  loss_fn=lambda o: o.float().square().mean())
     assert not any("relu" in k for k in rep.module_bytes)
+
+
+class FunctionalRelu(nn.Module):
+    """F.relu in the model code (torchvision's Inception and GoogLeNet), routed by tier 2."""
+
+    def __init__(self, inplace: bool, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c1 = nn.Conv2d(8, 4, 3, padding=1)
+        self.inplace, self.checkpointed = inplace, checkpointed
+
+    def block(self, x):
+        return self.c1(F.relu(self.c0(x), inplace=self.inplace))
+
+    def forward(self, x):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.block(x)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_routed_relu_shares_its_consumers_codes(inplace):
+    """A routed F.relu gets a slot per call position in the forward: from the second forward
+    it saves nothing (its consumer's sparse codes hold the mask), the input gradient equals
+    fp32's bit for bit, and relu_codes: false keeps the mask."""
+    torch.manual_seed(0)
+    ref = FunctionalRelu(inplace)
+    x = torch.randn(8, 3, 16, 16)
+    loss = lambda o: o.square().mean()  # noqa: E731
+    sizes = {}
+    for codes in (False, True):
+        model = az.convert_model(copy.deepcopy(ref), relu_codes=codes)
+        for step in range(3):
+            x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+            loss(ref(x1)).backward()
+            loss(model(x2)).backward()
+            assert torch.equal(x1.grad, x2.grad), (codes, step)
+        sizes[codes] = saved_activation_bytes(model, x, loss_fn=loss).module_bytes
+        assert az.capture_report(model).routed.get("relu") == 1
+    mask = 8 * 8 * 16 * 16 // 8
+    assert sizes[False][ROOT] == mask and ROOT not in sizes[True]
+
+
+def test_routed_relu_inside_a_checkpoint_keeps_its_mask():
+    torch.manual_seed(0)
+    ref = FunctionalRelu(inplace=True, checkpointed=True)
+    model = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform",
+                             capture=True)
+    for _ in range(3):
+        x = torch.randn(8, 3, 16, 16)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref(x1).square().mean().backward()
+        model(x2).square().mean().backward()  # no CheckpointError
+        assert torch.equal(x1.grad, x2.grad)
+    assert vars(model)["actnn_zoo_capture"].relu_slots == []

@@ -21,7 +21,8 @@ from ..config import LayerQConfig, QuantConfig
 from . import session as S
 from .handlers import HANDLERS
 from .mode import CaptureMode, routed_segment
-from .store import CaptureStats, CompressedStore
+from .._torch_private import inside_checkpoint
+from .store import CaptureStats, CompressedStore, ZeroCodeSlot
 
 __all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
            "capturing", "checkpoint_context", "CAPTURE_ATTR", "MIN_NUMEL"]
@@ -49,9 +50,12 @@ def parameter_storages(root: nn.Module) -> Tuple[Set[int], bool]:
 class CaptureSession:
     """Tier 2 and tier 3 for one forward: entered by :class:`Capture`'s pre-hook."""
 
-    def __init__(self, root: nn.Module, qconfig: LayerQConfig, min_numel: int) -> None:
+    def __init__(self, root: nn.Module, qconfig: LayerQConfig, min_numel: int,
+                 relu_slots: Optional[List[ZeroCodeSlot]] = None) -> None:
         skip, wrapped = parameter_storages(root)
         self.qconfig = qconfig
+        self._relu_slots = relu_slots
+        self._relu_calls = 0
         self.stats = CaptureStats()
         # FSDP2 (sharded DTensor parameters): the plain, unsharded parameters the layers use
         # exist only while each layer runs, so the store re-reads them when a save misses
@@ -61,6 +65,20 @@ class CaptureSession:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack,
                                                                 self.store.unpack)
         self._token: Optional[contextvars.Token] = None
+
+    def relu_slot(self, x: torch.Tensor) -> Optional[ZeroCodeSlot]:
+        """The slot of this forward's next routed ``relu`` call (the k-th call of a forward
+        gets the k-th slot of the model, what a QReLU module keeps for itself), or None where
+        ReLU codes do not apply: ``relu_codes`` off, not on the CPU, inside a checkpointed
+        segment (its recomputation would not have the slot). A model whose calls change
+        order between forwards only loses sharing: an unanswered claim falls back to the mask."""
+        if self._relu_slots is None or not self.qconfig.relu_codes or x.device.type != "cpu" \
+                or inside_checkpoint():
+            return None
+        k, self._relu_calls = self._relu_calls, self._relu_calls + 1
+        while len(self._relu_slots) <= k:
+            self._relu_slots.append(ZeroCodeSlot())
+        return self._relu_slots[k]
 
     def open(self) -> None:
         self._token = S._enter(self)
@@ -96,6 +114,7 @@ class Capture:
         self.qconfig = qconfig
         self.min_numel = min_numel
         self.last_stats: Optional[CaptureStats] = None
+        self.relu_slots: List[ZeroCodeSlot] = []  # routed relu calls, by order in a forward
         self._open: List[Optional[CaptureSession]] = []
         self._handles: List[Any] = []
 
@@ -103,7 +122,7 @@ class Capture:
         if not (module.training and torch.is_grad_enabled()) or S.active_session() is not None:
             self._open.append(None)  # nothing to open: eval, no_grad, or an outer session
             return
-        session = CaptureSession(module, self.qconfig, self.min_numel)
+        session = CaptureSession(module, self.qconfig, self.min_numel, self.relu_slots)
         session.open()
         self._open.append(session)
 
@@ -127,6 +146,7 @@ class Capture:
     def __getstate__(self) -> dict:  # copy.deepcopy / pickle: no open sessions travel
         state = dict(self.__dict__)
         state["_open"] = []
+        state["relu_slots"] = []  # learned again by the copy
         return state
 
 
@@ -167,7 +187,7 @@ def attach_capture(root: nn.Module, cfg: QuantConfig) -> None:
     bits = cfg.layer_bits() if cfg.capture_bits is None else cfg.capture_bits
     qconfig = LayerQConfig(bits=bits, group_size=cfg.group_size, rounding=cfg.rounding,
                            backward_chunks=cfg.backward_chunks, compressor=cfg.compressor,
-                           division_block=cfg.division_block)
+                           division_block=cfg.division_block, relu_codes=cfg.relu_codes)
     capture = Capture(qconfig)
     capture.attach(root)
     setattr(root, CAPTURE_ATTR, capture)
@@ -208,7 +228,7 @@ def capturing(model: nn.Module) -> Iterator[Optional[CaptureStats]]:
     if S.active_session() is not None or not (model.training and torch.is_grad_enabled()):
         yield None
         return
-    session = CaptureSession(model, capture.qconfig, capture.min_numel)
+    session = CaptureSession(model, capture.qconfig, capture.min_numel, capture.relu_slots)
     session.open()
     try:
         yield session.stats
