@@ -47,8 +47,8 @@ def modes(model: str, batch: int, kwargs: Dict[str, Any]) -> Dict[str, StepSpec]
         "checkpoint": dataclasses.replace(base, mode="checkpoint"),
         "2-bit (default)": dataclasses.replace(base, mode="bits", bits=None),
         "2-bit uniform": dataclasses.replace(base, mode="bits", bits=2, strategy="uniform"),
-        "2-bit, chunks 4": dataclasses.replace(base, mode="bits", bits=None,
-                                               config={"backward_chunks": 4}),
+        "2-bit chunks 4": dataclasses.replace(base, mode="bits", bits=None,
+                                              config={"backward_chunks": 4}),
         "2-bit ReLU masks": dataclasses.replace(base, mode="bits", bits=None,
                                                 config={"relu_codes": False}),
     }
