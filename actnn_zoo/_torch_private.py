@@ -78,12 +78,17 @@ def saved_by_checkpoint(hook_file: str, depth: int = 2) -> bool:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == hook_file:
         frame = frame.f_back
-    for _ in range(depth):
-        if frame is None:
-            return False
+    return _checkpoint_frame_within(frame, depth)
+
+
+def _checkpoint_frame_within(frame, depth: Optional[int]) -> bool:
+    """Whether ``frame`` or one of the frames above it (at most ``depth`` in all; None: the
+    whole stack) belongs to torch/utils/checkpoint.py."""
+    while frame is not None and depth != 0:
         if frame.f_code.co_filename == _CHECKPOINT_FILE:
             return True
         frame = frame.f_back
+        depth = None if depth is None else depth - 1
     return False
 
 
@@ -96,9 +101,4 @@ def inside_checkpoint() -> bool:
     :func:`saved_by_checkpoint`). What such a segment saves is dropped and saved again by its
     recomputation, outside any capture session: a ReLU outside the segment must not share a
     payload made inside it (the forward and the recomputation would save different tensors)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename == _CHECKPOINT_FILE:
-            return True
-        frame = frame.f_back
-    return False
+    return _checkpoint_frame_within(sys._getframe(1), None)

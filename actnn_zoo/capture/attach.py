@@ -20,8 +20,7 @@ from torch import nn
 from ..config import LayerQConfig, QuantConfig
 from . import session as S
 from .handlers import HANDLERS
-from .mode import CaptureMode, routed_segment
-from .._torch_private import inside_checkpoint
+from .mode import CaptureMode, in_routed_segment, routed_segment
 from .store import CaptureStats, CompressedStore, ZeroCodeSlot
 
 __all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
@@ -70,10 +69,11 @@ class CaptureSession:
         """The slot of this forward's next routed ``relu`` call (the k-th call of a forward
         gets the k-th slot of the model, what a QReLU module keeps for itself), or None where
         ReLU codes do not apply: ``relu_codes`` off, not on the CPU, inside a checkpointed
-        segment (its recomputation would not have the slot). A model whose calls change
-        order between forwards only loses sharing: an unanswered claim falls back to the mask."""
+        segment (its recomputation would not have the slot; the mode routes there only under
+        ``checkpoint_context``). A model whose calls change order between forwards only loses
+        sharing: an unanswered claim falls back to the mask."""
         if self._relu_slots is None or not self.qconfig.relu_codes or x.device.type != "cpu" \
-                or inside_checkpoint():
+                or in_routed_segment():
             return None
         k, self._relu_calls = self._relu_calls, self._relu_calls + 1
         while len(self._relu_slots) <= k:
@@ -157,6 +157,10 @@ class _Routing:
     def __init__(self, qconfig: LayerQConfig) -> None:
         self.qconfig = qconfig
         self.stats = CaptureStats()
+
+    def relu_slot(self, x: torch.Tensor) -> None:
+        """No ReLU codes in a recomputation: the forward's slots belong to its session."""
+        return None
 
 
 def checkpoint_context(model: nn.Module) -> Callable[[], Tuple[Any, Any]]:

@@ -101,8 +101,7 @@ def _mask_act(op: str, inplace_default: bool = False):
             if not _only(args, kwargs, ("input", "inplace")):
                 return func(*args, **kwargs)
             inplace = bool(_arg(args, kwargs, 1, "inplace", inplace_default))
-            slot_of = getattr(session, "relu_slot", None)  # a checkpoint's recomputation: none
-            out = A.relu(x, inplace, slot_of(x) if slot_of is not None else None)
+            out = A.relu(x, inplace, session.relu_slot(x))
         elif op == "leaky_relu":
             slope = float(_arg(args, kwargs, 1, "negative_slope", 0.01))
             inplace = bool(_arg(args, kwargs, 2, "inplace", inplace_default))

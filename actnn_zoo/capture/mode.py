@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 from .._torch_private import inside_checkpoint
 from .handlers import Handler
 
-__all__ = ["CaptureMode", "call_unrouted", "routed_segment"]
+__all__ = ["CaptureMode", "call_unrouted", "in_routed_segment", "routed_segment"]
 
 # A constant plain tensor for has_torch_function, which consults modes only when it is given a
 # tensor (with no arguments it answers False whatever is on the mode stack).
@@ -32,6 +32,11 @@ _PLAIN = (torch.empty(0),)
 # recomputation routes (the context's recompute mode), so its forward must route too.
 _ROUTED_SEGMENT: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "actnn_zoo_routed_segment", default=False)
+
+
+def in_routed_segment() -> bool:
+    """Whether a checkpointed segment entered under :func:`routed_segment` is running."""
+    return _ROUTED_SEGMENT.get()
 
 
 @contextlib.contextmanager

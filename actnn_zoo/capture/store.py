@@ -34,7 +34,7 @@ from torch import Tensor
 from .._torch_private import (inside_checkpoint, saved_by_checkpoint, tensor_base,
                               tensor_version)
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, SampleBits, pack_mask, quantize, unpack_mask
+from ..quant import Bits, QuantizedTensor, pack_mask, quantize, unpack_mask
 from ..quant.sparse import quantize_sparse
 from ..quant.tensor import SparseQuantizedTensor
 from ..quant.division import Payload, decompress, uses_division
@@ -111,7 +111,8 @@ class ZeroCodeSlot:
     anyway (a conv, a linear): stored as sparse codes (``quantize_sparse``: the mask plus codes
     of the nonzeros), the consumer's payload holds exactly ReLU's mask, so ReLU reads its
     backward from it and saves nothing of its own (docs/design.md, "ReLU reads its consumer's
-    codes"). CPU only: sparse codes have no CUDA kernels yet, so ReLUs elsewhere keep masks. A forward in which the output was compressed plainly by a later save turns this on
+    codes"). CPU only: sparse codes have no CUDA kernels yet, so ReLUs elsewhere keep masks.
+    A forward in which the output was compressed plainly by a later save turns this on
     for the next forwards; one in which nothing compressed it (the consumer is a max-pool, or
     compresses with DIVISION or a rotation) turns it off.
     """
@@ -140,8 +141,9 @@ class ZeroCodeClaim:
     """A ReLU's claim on the compressed copy of its output, kept on its autograd ctx.
 
     The first save that compresses the output plainly in this forward quantizes it as sparse
-    codes at its own widths and hands the payload here. If none does by the end of the forward, the output (kept alive meanwhile) is packed into ReLU's 1-bit
-    mask instead, in memory order.
+    codes at its own widths and hands the payload here. If none does by the end of the
+    forward, the output (kept alive meanwhile) is packed into ReLU's 1-bit mask instead, in
+    memory order.
     """
 
     __slots__ = ("out", "version", "q", "mask")

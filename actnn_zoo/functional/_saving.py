@@ -146,8 +146,8 @@ PRODUCE_CHUNK_BYTES = 1 << 20
 
 
 def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
-                      qconfig: LayerQConfig, bits: Optional[Bits] = None,
-                      nbytes_per_value: int = 4) -> Optional[QuantizedTensor]:
+                      qconfig: LayerQConfig, bits: Optional[Bits] = None
+                      ) -> Optional[QuantizedTensor]:
     """``compress(t)`` of a float tensor ``t`` of ``shape`` that exists only to be compressed,
     made by ``produce(start, stop)`` (its samples ``start:stop``, contiguous, rows of dim 0) a
     chunk of samples at a time, so that at most ``PRODUCE_CHUNK_BYTES`` of it exist at once.
@@ -162,7 +162,7 @@ def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
     """
     b = qconfig.bits if bits is None else bits
     n = shape[0] if len(shape) >= 2 else 1
-    total = shape.numel() * nbytes_per_value
+    total = shape.numel() * 4  # produced in float32
     k = min(n, -(-total // PRODUCE_CHUNK_BYTES))
     if k < 2 or qconfig.compressor != "quant" or qconfig.transform != "none":
         return None
