@@ -241,18 +241,65 @@ def test_cuda_kernel_equals_cpu():
 def test_compress_picks_division_for_feature_maps_only():
     cfg = LayerQConfig(bits=2, compressor="division")
     assert isinstance(compress(torch.randn(2, 3, 9, 9), cfg), DivisionTensor)
-    assert isinstance(compress(torch.randn(2, 3, 50), cfg), DivisionTensor)
+    assert isinstance(compress(torch.randn(2, 3, 50), cfg, maps=True), DivisionTensor)
     assert isinstance(compress(torch.randn(2, 3, 4, 5, 6, dtype=torch.float64), cfg),
                       DivisionTensor)
     # maps of fewer than MIN_MAP_VALUES values: their own range would cost > 1 bit per value
     assert MIN_MAP_VALUES == 48
-    assert isinstance(compress(torch.randn(2, 3, 47), cfg), QuantizedTensor)
+    assert isinstance(compress(torch.randn(2, 3, 47), cfg, maps=True), QuantizedTensor)
     assert isinstance(compress(torch.randn(2, 3, 4, 4), cfg), QuantizedTensor)
     assert isinstance(compress(torch.randn(2, 3, 8, 6), cfg), DivisionTensor)
     assert isinstance(compress(torch.randn(6, 300), cfg), QuantizedTensor)
     assert isinstance(compress(torch.randn(2, 3, 9, 9), LayerQConfig()), QuantizedTensor)
     x = torch.randn(2, 3, 9, 9)
     assert restore(compress(x, cfg)).shape == x.shape
+
+
+def test_layout_decides_what_is_a_map():
+    """A layer that knows its tensor is features last (Linear, LayerNorm, attention) never
+    uses DIVISION; one that does not know (an activation, tier 3) uses it on 4-D and 5-D
+    tensors only, since a 3-D one is as likely (B, T, C) tokens as an (N, C, L) map."""
+    cfg = LayerQConfig(bits=2, compressor="division")
+    tokens, image = torch.randn(2, 64, 96), torch.randn(2, 3, 9, 9)
+    assert isinstance(compress(tokens, cfg), QuantizedTensor)
+    assert isinstance(compress(tokens, cfg, maps=True), DivisionTensor)
+    assert isinstance(compress(image, cfg, maps=False), QuantizedTensor)
+    assert isinstance(compress(image, cfg, maps=None), DivisionTensor)
+    assert isinstance(compress(torch.randn(2, 3, 4, 5, 6), cfg, maps=False), QuantizedTensor)
+
+
+def _division_shapes(monkeypatch, model: nn.Module, x: torch.Tensor) -> list:
+    """Shapes of the tensors ``model``'s training step sent to DIVISION."""
+    import actnn_zoo.functional._saving as saving
+
+    seen = []
+
+    def spy(t, *args, **kwargs):
+        seen.append(tuple(t.shape))
+        return division_quantize(t, *args, **kwargs)
+
+    monkeypatch.setattr(saving, "division_quantize", spy)
+    out = model(x)
+    out.float().sum().backward()
+    return seen
+
+
+def test_transformer_tokens_take_the_group_quantizer_and_conv1d_maps_division(monkeypatch):
+    """End to end: a converted character transformer (Linear, LayerNorm, GELU, attention and
+    softmax over (B, T, C) and (B, H, T, T)) sends nothing to DIVISION; a Conv1d classifier
+    sends its convolutions' and batch norms' (N, C, L) inputs."""
+    from actnn_zoo.models import CharTransformer, Conv1dNet
+
+    torch.manual_seed(0)
+    text = az.convert_model(CharTransformer(vocab_size=40, d_model=32, n_heads=2,
+                                            context=64, dropout=0.0),
+                            strategy="uniform", bits=2, compressor="division")
+    assert _division_shapes(monkeypatch, text, torch.randint(0, 40, (2, 64))) == []
+    conv = az.convert_model(Conv1dNet(width=8), strategy="uniform", bits=2,
+                            compressor="division")
+    shapes = _division_shapes(monkeypatch, conv, torch.randn(4, 1, 128))
+    assert (4, 1, 128) in shapes and (4, 8, 128) in shapes  # stem conv input, BN's x_hat
+    assert all(len(s) == 3 for s in shapes)
 
 
 class _Net(nn.Module):

@@ -17,12 +17,15 @@ from ..quant.division import (DivisionTensor, Payload, decompress, division_quan
 Saved = Union[Tensor, CompressedPayload, None]
 
 
-def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None) -> Payload:
+def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None, *,
+             maps: Optional[bool] = None) -> Payload:
     """Quantize ``x`` as ``qconfig`` says (``bits`` overrides its width, e.g. per-sample).
 
-    With ``qconfig.compressor == 'division'`` a tensor of 3 to 5 dims, read as (N, C,
-    *spatial), is stored as DIVISION's bf16 block means plus the residual at ``bits`` (a
+    With ``qconfig.compressor == 'division'`` a tensor laid out as feature maps (N, C,
+    *spatial) is stored as DIVISION's bf16 block means plus the residual at ``bits`` (a
     :class:`~actnn_zoo.quant.division.DivisionTensor`); any other tensor is quantized as usual.
+    ``maps``: whether the calling layer knows ``x`` to be channels-first maps (True), features
+    last (False), or does not know (None); ``quant.division.uses_division`` says which qualify.
 
     Inside a converted model's training forward the capture session's store answers, so a
     tensor that several layers save is compressed once (``actnn_zoo.capture.store``).
@@ -33,7 +36,7 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None) -> P
     float64 is compressed at all). The store keys on the float64 tensor, so sharing still works.
     """
     b = qconfig.bits if bits is None else bits
-    fn, kind = quantizer_for(x, qconfig)
+    fn, kind = quantizer_for(x, qconfig, maps)
     session = active_session()
     if session is not None:
         return session.store.compress(x, b, qconfig.group_size, qconfig.rounding,
@@ -41,9 +44,10 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None) -> P
     return fn(x, b, qconfig.group_size, rounding=qconfig.rounding)
 
 
-def quantizer_for(x: Tensor, qconfig: LayerQConfig):
-    """(the function that compresses ``x`` under ``qconfig``, a key naming it for the store)."""
-    if uses_division(x, qconfig.compressor):
+def quantizer_for(x: Tensor, qconfig: LayerQConfig, maps: Optional[bool] = None):
+    """(the function that compresses ``x`` under ``qconfig``, a key naming it for the store);
+    ``maps`` as in :func:`compress`."""
+    if uses_division(x, qconfig.compressor, maps):
         block = qconfig.division_block
         return functools.partial(_divide_any_float, block=block), ("division", block)
     if qconfig.transform != "none":

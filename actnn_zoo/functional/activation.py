@@ -330,7 +330,9 @@ class DerivativeActivationFunction(torch.autograd.Function):
             ctx.mark_dirty(x)
         if q is None:
             perm = memory_perm(deriv)
-            q = compress(to_memory_order(deriv.to(torch.float32), perm), qconfig, bits)
+            # in memory order a channels_last map reads (N, H, W, C): not maps for DIVISION
+            q = compress(to_memory_order(deriv.to(torch.float32), perm), qconfig, bits,
+                         maps=None if perm is None else False)
             del deriv
         ctx.perm = perm
         ctx.in_dtype = x.dtype

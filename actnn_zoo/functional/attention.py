@@ -499,7 +499,7 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
 
         def comp(t: Tensor) -> object:
-            return compress(t if t.dtype != torch.float64 else t.float(), qconfig, bits)
+            return compress(t if t.dtype != torch.float64 else t.float(), qconfig, bits, maps=False)
 
         save(ctx, comp(query), comp(key), comp(value) if need_qk else None)
         ctx.attn_mask = attn_mask  # a reference to the caller's tensor, never a copy

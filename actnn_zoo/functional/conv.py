@@ -138,7 +138,7 @@ class ConvFunction(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
         ctx.compute_dtype = out.dtype
         ctx.chunks = qconfig.backward_chunks
-        save(ctx, compress(x, qconfig, bits) if need_w else None, weight)
+        save(ctx, compress(x, qconfig, bits, maps=True) if need_w else None, weight)
         return out
 
     @staticmethod

@@ -89,10 +89,11 @@ def _normalize(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
 
 
 def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: LayerQConfig,
-                         bits: Bits):
+                         bits: Bits, maps: bool):
     """``compress(_normalize(xc, mean, invstd))``, the normalized copy made and quantized a chunk
     of samples at a time when large (``compress_produced``): the forward never holds it whole
-    next to the layer's input and output. Statistics with a sample dim are sliced with it."""
+    next to the layer's input and output. Statistics with a sample dim are sliced with it.
+    ``maps``: channels-first (batch and group norm) or features last (layer norm)."""
     n = xc.shape[0] if xc.dim() >= 2 else 1
 
     def rows(stat: Tensor, start: int, stop: int) -> Tensor:
@@ -103,7 +104,8 @@ def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: Laye
         return t.float() if t.dtype == torch.float64 else t  # quantized through float32
 
     q = compress_produced(produce, xc.shape, qconfig, bits)
-    return q if q is not None else compress(_normalize(xc, mean, invstd), qconfig, bits)
+    return q if q is not None else compress(_normalize(xc, mean, invstd), qconfig, bits,
+                                            maps=maps)
 
 
 def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype,
@@ -144,7 +146,7 @@ class BatchNormFunction(torch.autograd.Function):
         x_q = None
         if _needs_saved_input(ctx, 1):
             x_q = _compress_normalized(xc, _per_channel(mean, xc), _per_channel(invstd, xc),
-                                       qconfig, bits)
+                                       qconfig, bits, maps=True)
         save(ctx, x_q, mean, invstd, weight)
         return out
 
@@ -272,7 +274,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         x_q = None
         if _needs_saved_input(ctx, 1):
             x_q = _compress_normalized(xc, _per_channel(mean, xc), _per_channel(invstd, xc),
-                                       qconfig, bits)
+                                       qconfig, bits, maps=True)
         save(ctx, x_q, mean, invstd, weight)
         return out
 
@@ -324,7 +326,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.compute_dtype = dt
         x_q = None
         if _needs_saved_input(ctx, 2):
-            x_q = _compress_normalized(xc, mean, rstd, qconfig, bits)
+            x_q = _compress_normalized(xc, mean, rstd, qconfig, bits, maps=False)
         save(ctx, x_q, mean, rstd, weight, bias)
         return out
 
@@ -375,7 +377,8 @@ class GroupNormFunction(torch.autograd.Function):
         x_q = None
         if _needs_saved_input(ctx, 2):
             x_q = _compress_normalized(xc, _per_group(mean, xc, num_groups),
-                                       _per_group(rstd, xc, num_groups), qconfig, bits)
+                                       _per_group(rstd, xc, num_groups), qconfig, bits,
+                                       maps=True)
         save(ctx, x_q, mean, rstd, weight)
         return out
 

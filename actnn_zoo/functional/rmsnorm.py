@@ -81,7 +81,7 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.dtypes = (x.dtype, dtype_of(weight))
         n_q = None
         if _needs_saved_input(ctx, 1):
-            n_q = compress(n.to(torch.float32), qconfig, bits)
+            n_q = compress(n.to(torch.float32), qconfig, bits, maps=False)
         del n
         save(ctx, n_q, rstd, weight)
         return out

@@ -32,6 +32,13 @@ def softmax_dim(ndim: int, dim: Optional[int]) -> int:
     return 0 if ndim in (0, 1, 3) else 1
 
 
+def _maps(dim: int, y: Tensor) -> Optional[bool]:
+    """The output's layout for DIVISION (``compress(maps=...)``): over its last dim (attention
+    probabilities, class scores) the output is features last, never maps; over another dim
+    (per-pixel class maps, dim 1) the layout is not known."""
+    return False if dim % max(y.dim(), 1) == y.dim() - 1 else None
+
+
 class SoftmaxFunction(torch.autograd.Function):
     """``F.softmax(x, dim)`` saving the compressed output (float64 outputs are compressed as
     float32: quantization supports up to float32). ``create_graph=True`` raises."""
@@ -44,7 +51,7 @@ class SoftmaxFunction(torch.autograd.Function):
         ctx.in_dtype = x.dtype
         ctx.out_dtype = y.dtype
         yq = y if y.dtype != torch.float64 else y.float()
-        save(ctx, compress(yq, qconfig, bits))
+        save(ctx, compress(yq, qconfig, bits, maps=_maps(ctx.dim, y)))
         return y
 
     @staticmethod
@@ -82,7 +89,7 @@ class LogSoftmaxFunction(torch.autograd.Function):
         ctx.in_dtype = x.dtype
         ctx.out_dtype = y.dtype
         p = y.exp() if y.dtype != torch.float64 else y.exp().float()
-        save(ctx, compress(p, qconfig, bits))
+        save(ctx, compress(p, qconfig, bits, maps=_maps(ctx.dim, y)))
         return y
 
     @staticmethod

@@ -215,12 +215,23 @@ def _kernel(device: torch.device, name: str):
 # ----------------------------------------------------------------------------------------------
 # The one compression entry point the layers and the capture store share
 # ----------------------------------------------------------------------------------------------
-def uses_division(x: Tensor, compressor: str) -> bool:
+def uses_division(x: Tensor, compressor: str, maps: Optional[bool] = None) -> bool:
     """Whether :func:`compress_payload` sends ``x`` to DIVISION: the compressor is 'division',
-    ``x`` reads as a feature map (3 to 5 dims, float32/16/bf16 or float64 via float32) and its
-    maps hold at least ``MIN_MAP_VALUES`` values."""
-    return compressor == "division" and 3 <= x.dim() <= 5 \
-        and x.shape[2:].numel() >= MIN_MAP_VALUES
+    ``x`` is laid out as feature maps (N, C, *spatial) and its maps hold at least
+    ``MIN_MAP_VALUES`` values.
+
+    ``maps`` is what the saving layer knows of the layout. True: channels-first maps (a conv's
+    or batch norm's input), 3 to 5 dims qualify. False: features last (a Linear's input, a
+    layer norm's, attention's q/k/v, a softmax over its last dim), never: DIVISION's block
+    means over (T, C) or (T, E) would average unrelated features, and its per-(sample,
+    channel) range would span a whole sequence (on the text transformer that cost 6x uniform's
+    gradient variance and half the compression). None, unknown (element-wise layers, tensors
+    captured by tier 3): 4 and 5 dims qualify, read as images and volumes; a 3-D tensor is
+    as likely (B, T, C) as (N, C, L) and takes the group quantizer."""
+    if compressor != "division" or maps is False:
+        return False
+    lowest = 3 if maps else 4
+    return lowest <= x.dim() <= 5 and x.shape[2:].numel() >= MIN_MAP_VALUES
 
 
 def decompress(payload: Payload) -> Tensor:
