@@ -51,6 +51,11 @@ def modes(model: str, batch: int, kwargs: Dict[str, Any]) -> Dict[str, StepSpec]
                                               config={"backward_chunks": 4}),
         "2-bit ReLU masks": dataclasses.replace(base, mode="bits", bits=None,
                                                 config={"relu_codes": False}),
+        # the default re-allocates every 10 steps; 1 was the default before
+        "2-bit interval 1": dataclasses.replace(base, mode="bits", bits=None,
+                                                config={"update_interval": 1}),
+        "2-bit interval 100": dataclasses.replace(base, mode="bits", bits=None,
+                                                  config={"update_interval": 100}),
     }
 
 

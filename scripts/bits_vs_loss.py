@@ -11,7 +11,8 @@ plain config whose only difference is the strategy and its budget:
   ``compressor: division`` (block 8) with uniform 2-bit residuals;
 * everything else the library's default: group 256, stochastic rounding, capture on with
   ``capture_bits`` unset (the tiers then use the largest supported width <= ``bits``), the
-  strategies' default ``update_interval`` of 1 -- except ``gact``, which probes every
+  strategies' default ``update_interval`` (10; the rows were trained at 1 before it became 10,
+  and re-trained after) -- except ``gact``, which probes every
   ``GACT_INTERVAL`` steps (3 extra passes per probe; the README advises 100-1000).
 
 Per run it records the final metric, the training losses and two "realised bits":

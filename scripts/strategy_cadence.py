@@ -37,7 +37,8 @@ CONFIGS = {
                                     "update_interval": 2},
     "acgc e=2, update_interval 100": {"strategy": "acgc", "error_fraction": 2.0,
                                       "update_interval": 100},
-    "actnn 2 (the default, update_interval 1)": {"bits": 2},
+    "actnn 2, update_interval 1": {"bits": 2, "update_interval": 1},
+    "actnn 2 (the default, update_interval 10)": {"bits": 2},
 }
 
 

@@ -19,7 +19,9 @@ from test_gact import Net, problem, train
 
 
 def widths_after(e: float, steps: int = 4, **cfg) -> ACGCStrategy:
+    """The strategy after ``steps`` training steps, solving every step unless ``cfg`` says."""
     torch.manual_seed(0)
+    cfg.setdefault("update_interval", 1)
     model = az.convert_model(Net(), strategy="acgc", error_fraction=e, **cfg)
     train(model, steps, n=32, lr=0.01)
     return precision_strategy(model)
@@ -98,6 +100,7 @@ def test_schedule_window_and_one_read_per_update(monkeypatch):
 def test_pinned_layers_keep_their_width():
     torch.manual_seed(0)
     model = az.convert_model(Net(), {"strategy": "acgc", "error_fraction": 100.0,
+                                     "update_interval": 1,
                                      "rules": [{"name": "fc2", "bits": 8}]})
     train(model, 4, n=16)
     s = precision_strategy(model)

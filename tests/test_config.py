@@ -27,7 +27,7 @@ def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 def test_defaults_are_two_bit_auto_precision():
     cfg = QuantConfig()
     assert (cfg.bits, cfg.group_size, cfg.strategy, cfg.rounding, cfg.enabled,
-            cfg.update_interval, cfg.rules) == (2, 256, "actnn", "stochastic", True, 1, ())
+            cfg.update_interval, cfg.rules) == (2, 256, "actnn", "stochastic", True, 10, ())
     assert "uniform" in STRATEGIES and "actnn" in STRATEGIES
     assert cfg.resolve("conv", nn.Conv2d(1, 1, 1)) == LayerQConfig(2, 256, "stochastic", True)
 
@@ -64,7 +64,7 @@ def test_to_dict_of_from_dict_is_the_normalised_dict():
                                 {"name": "fc", "group_size": 64, "rounding": "nearest"}]}
     assert QuantConfig.from_dict(d).to_dict() == {
         "bits": 4, "group_size": 256, "strategy": "actnn", "rounding": "stochastic",
-        "enabled": True, "update_interval": 1, "capture": True,
+        "enabled": True, "update_interval": 10, "capture": True,
         "rules": [{"pattern": "layer1.*", "bits": 8},
                   {"type": ["Conv2d", "torch.nn.Linear"], "skip": True},
                   {"name": "fc", "group_size": 64, "rounding": "nearest"}]}

@@ -507,8 +507,10 @@ def test_the_per_step_path_reads_nothing_back_to_the_host(host_reads):
         exec(probe, {"t": torch.ones(())})
     torch.ones(()).item()  # elsewhere it is allowed
     torch.manual_seed(0)
-    for cfg, steps, applied in (({"bits": 2}, 5, 3), ({"bits": 1.5, "update_interval": 2}, 5, 2),
-                                ({"bits": 2.5, "rules": [{"name": "fc2", "bits": 8}]}, 6, 4)):
+    for cfg, steps, applied in (({"bits": 2, "update_interval": 1}, 5, 3),
+                                ({"bits": 1.5, "update_interval": 2}, 5, 2),
+                                ({"bits": 2.5, "update_interval": 1,
+                                  "rules": [{"name": "fc2", "bits": 8}]}, 6, 4)):
         host_reads.clear()
         model = az.convert_model(Net(), strategy="actnn", **cfg)
         train(model, batches(16, steps))  # per-step widths every step, re-allocations
@@ -605,7 +607,7 @@ def test_checkpointing_batch_changes_autocast_and_accumulation(monkeypatch):
     """Recomputation, batches of 7 and 1, channels_last, bf16 autocast, an eval forward and two
     accumulated backwards: every step trains, counts once, and stays within the budget."""
     torch.manual_seed(0)
-    model = az.convert_model(Checkpointed(), strategy="actnn", bits=1.5)
+    model = az.convert_model(Checkpointed(), strategy="actnn", bits=1.5, update_interval=1)
     spy = Spy(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for i, n in enumerate([16, 16, 16, 7, 16, 1, 16]):

@@ -429,7 +429,7 @@ def test_a_layer_called_twice_counts_twice_under_auto_precision(monkeypatch, bud
     to 1.82-1.87 bits of a 2-bit budget when the second call was not counted)."""
     from actnn_zoo.convert import precision_strategy
     torch.manual_seed(0)
-    model = az.convert_model(SharedNet(half), strategy="actnn", bits=budget)
+    model = az.convert_model(SharedNet(half), strategy="actnn", bits=budget, update_interval=1)
     strategy = precision_strategy(model)
     spy = QuantizeSpy(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
