@@ -386,13 +386,14 @@ def measure_step_memory(step_fn_factory: Callable[..., Callable[[], Any]], *args
     return PeakReport(max(0, peak - baseline), baseline, peak, str(dev), method, times, headroom)
 
 
-def _run_steps(step: Callable[[], Any], steps: int, dev: torch.device) -> List[float]:
+def _run_steps(step: Callable[[], Any], steps: int, dev: torch.device,
+               clock: Callable[[], float] = time.perf_counter) -> List[float]:
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
         _sync(dev)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return times
 
 
@@ -550,11 +551,16 @@ def spec_peak_memory(spec: StepSpec, timeout: Optional[float] = 1800.0,
 
 
 def interleaved_step_times(steps: Dict[str, Callable[[], Any]], n: int = 30, warmup: int = 3,
-                           rounds: int = 3, device: str = "cpu") -> Dict[str, List[float]]:
+                           rounds: int = 3, device: str = "cpu",
+                           clock: Callable[[], float] = time.perf_counter
+                           ) -> Dict[str, List[float]]:
     """Per-step seconds for each named step function, ``n`` timed steps each after ``warmup``.
 
     The modes are timed round-robin in ``rounds`` chunks, so a machine that gets busier or
     quieter during the measurement shifts every mode alike and the ratios stay meaningful.
+    ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU time,
+    which other processes on a shared machine do not inflate (meaningful with one torch
+    thread on the CPU, where the stepping thread does all the work).
     """
     dev = torch.device(device)
     for step in steps.values():
@@ -563,7 +569,7 @@ def interleaved_step_times(steps: Dict[str, Callable[[], Any]], n: int = 30, war
     per_round = max(1, n // max(1, rounds))
     for _ in range(max(1, rounds)):
         for name, step in steps.items():
-            times[name] += _run_steps(step, per_round, dev)
+            times[name] += _run_steps(step, per_round, dev, clock)
     return times
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -69,8 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-peak", action="store_true", help="times only")
     p.add_argument("--steps", type=int, default=15, help="timed steps per mode")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="thread: this thread's CPU time (needs --threads 1), which other "
+                        "processes on a shared machine do not inflate")
+    p.add_argument("--rounds", type=int, default=3, help="round-robin chunks of the timed steps")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        p.error("--clock thread measures the stepping thread only: use it with --threads 1")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
     rows: List[Dict[str, Any]] = []
     for case in args.cases.split(","):
@@ -88,9 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         times = {}
         if not args.no_time:
             raw = interleaved_step_times({m: build_step(s) for m, s in specs.items()},
-                                         n=args.steps, warmup=3, rounds=3)
+                                         n=args.steps, warmup=3, rounds=args.rounds,
+                                         clock=clock)
             times = {m: statistics.median(t) for m, t in raw.items()}
-        print(f"\n{case} ({torch.get_num_threads()} threads)")
+        print(f"\n{case} ({torch.get_num_threads()} threads, {args.clock} clock)")
         print(f"  {'mode':<22} {'peak MiB':>9} {'vs fp32':>8} {'step ms':>8} {'vs fp32':>8}")
         for m in specs:
             row: Dict[str, Any] = {"case": case, "mode": m}

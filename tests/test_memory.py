@@ -171,3 +171,20 @@ def test_discarded_branches_not_counted():
     x = torch.randn(4, 10, requires_grad=True)
     r = saved_activation_bytes(Discards(), x)
     assert r.total_bytes == 40 * F32 and r.num_tensors == 1 and r.num_discarded == 1
+
+
+def test_interleaved_step_times_use_the_given_clock_round_robin():
+    """The clock is read around each step (a fake clock ticking once per read makes every step
+    take 1), and the modes alternate in rounds rather than running one after the other."""
+    from actnn_zoo.memory import interleaved_step_times
+
+    reads, order = [0], []
+
+    def clock() -> float:
+        reads[0] += 1
+        return float(reads[0])
+
+    steps = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
+    times = interleaved_step_times(steps, n=4, warmup=1, rounds=2, clock=clock)
+    assert times == {"a": [1.0] * 4, "b": [1.0] * 4}
+    assert order == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["a"] * 2 + ["b"] * 2
