@@ -95,6 +95,23 @@ AZ_INLINE void block_range(const float* __restrict v, int n16, float& mn, float&
   cnt = c;
 }
 
+// For each mask byte: the rank of each bit (set bits below it) and the number of set bits.
+struct RankTable {
+  uint8_t r[256][8];
+  uint8_t count[256];
+  RankTable() {
+    for (int b = 0; b < 256; ++b) {
+      int c = 0;
+      for (int j = 0; j < 8; ++j) {
+        r[b][j] = static_cast<uint8_t>(c);
+        c += (b >> j) & 1;
+      }
+      count[b] = static_cast<uint8_t>(c);
+    }
+  }
+};
+const RankTable kRank;
+
 template <int B>
 void pack_row(uint8_t* codes, int64_t count, uint8_t* out) {
   const int64_t nbytes = (count * B + 7) / 8;
@@ -161,6 +178,7 @@ void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_s
     run_fast([&] {
       alignas(64) float buf[kBlock];
       alignas(64) int32_t codes[kBlock];
+      alignas(64) uint8_t nz[kBlock];
       std::vector<uint8_t> row(static_cast<size_t>(d) + 16);
       for (int64_t n = begin; n < end; ++n) {
         const int b = bits[n];
@@ -184,10 +202,23 @@ void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_s
               code_block<kStochastic>(buf, n16, glo, inv, levels,
                                       static_cast<uint64_t>(n * d + start + e), key, codes);
             }
+            // Keep the nonzeros' codes in order, 8 positions at a time: each goes to c plus
+            // the rank of its bit in the byte (a table), so the stores do not wait on one
+            // another; a zero's code lands on the next nonzero's slot and is overwritten (or
+            // past the row's count, where pack_row ignores it).
+#pragma omp simd
+            for (int k = 0; k < n16; ++k) nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
             uint8_t* r = row.data();
-            for (int k = 0; k < blk; ++k) {  // keep the nonzeros' codes, branch-free
+            int k = 0;
+            for (; k + 8 <= blk; k += 8) {
+              const uint32_t mb = gather8(nz + k);
+              const uint8_t* rank = kRank.r[mb];
+              for (int j = 0; j < 8; ++j) r[c + rank[j]] = static_cast<uint8_t>(codes[k + j]);
+              c += kRank.count[mb];
+            }
+            for (; k < blk; ++k) {
               r[c] = static_cast<uint8_t>(codes[k]);
-              c += buf[k] != 0.0f ? 1 : 0;
+              c += nz[k];
             }
           }
         }
@@ -215,22 +246,6 @@ void unpack_row(const uint8_t* in, int64_t count, uint8_t* codes) {
   }
 }
 
-// For each mask byte: the rank of each bit (set bits below it) and the number of set bits.
-struct RankTable {
-  uint8_t r[256][8];
-  uint8_t count[256];
-  RankTable() {
-    for (int b = 0; b < 256; ++b) {
-      int c = 0;
-      for (int j = 0; j < 8; ++j) {
-        r[b][j] = static_cast<uint8_t>(c);
-        c += (b >> j) & 1;
-      }
-      count[b] = static_cast<uint8_t>(c);
-    }
-  }
-};
-const RankTable kRank;
 
 // Up to 64 mask bits from bit i (the mask has `nbytes` bytes; bits past its end read as 0).
 AZ_INLINE uint64_t mask_word(const uint8_t* mask, int64_t nbytes, int64_t i) {
