@@ -9,6 +9,7 @@
 #include "isa_cpu.h"
 
 #include <ATen/record_function.h>
+#include <algorithm>
 #include <c10/core/DeviceGuard.h>
 #include <pybind11/stl.h>
 
@@ -74,6 +75,51 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& lo, const at::Te
   }
 #endif
   no_kernel("dequantize", out);
+}
+
+// One width for every row, rows back to back: the (N,) widths and (N + 1,) byte offsets the
+// kernels read, made here rather than as two small tensors from Python on every call (a
+// Q-layer's quantize and dequantize each paid for two; offsets start at row `first`).
+std::pair<at::Tensor, at::Tensor> uniform_layout(int64_t n, int64_t d, int64_t bits,
+                                                 int64_t first, const at::Device& device) {
+  TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8,
+                    "bits must be 1, 2, 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(n >= 0 && d >= 0 && first >= 0, "rows and columns must be non-negative");
+  const int64_t rb = (d * bits + 7) / 8;
+  const auto opts = at::TensorOptions().device(device);
+  if (!device.is_cpu()) {  // two small device ops, no host-to-device copy
+    return {at::full({n}, bits, opts.dtype(at::kByte)),
+            at::arange(n + 1, opts.dtype(at::kLong)).add_(first).mul_(rb)};
+  }
+  at::Tensor b = at::empty({n}, opts.dtype(at::kByte));
+  at::Tensor off = at::empty({n + 1}, opts.dtype(at::kLong));
+  std::fill_n(b.data_ptr<uint8_t>(), n, static_cast<uint8_t>(bits));
+  int64_t* o = off.data_ptr<int64_t>();
+  for (int64_t r = 0; r <= n; ++r) o[r] = (first + r) * rb;
+  return {b, off};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform(
+    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic,
+    bool zero_exact) {
+  TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d, got ", x2d.dim(), " dims");
+  const int64_t n = x2d.size(0), d = x2d.size(1);
+  auto layout = uniform_layout(n, d, bits, 0, x2d.device());
+  return quantize(x2d, layout.first, layout.second, n * ((d * bits + 7) / 8), group_size, seed,
+                  stochastic, zero_exact);
+}
+
+at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
+                              const at::Tensor& step, int64_t bits, int64_t group_size,
+                              int64_t first, at::Tensor out) {
+  TORCH_CHECK_VALUE(out.dim() == 2, "out must be 2-d, got ", out.dim(), " dims");
+  const int64_t n = out.size(0);
+  TORCH_CHECK_VALUE(first >= 0 && lo.dim() == 2 && first + n <= lo.size(0) &&
+                    step.dim() == 2 && first + n <= step.size(0),
+                    "rows ", first, ":", first + n, " are not rows of lo/step ", lo.sizes());
+  auto layout = uniform_layout(n, out.size(1), bits, first, out.device());
+  return dequantize(data, lo.narrow(0, first, n), step.narrow(0, first, n), layout.first,
+                    layout.second, group_size, out);
 }
 
 at::Tensor pack_mask(const at::Tensor& mask) {
@@ -158,6 +204,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, nogil, py::arg("data"), py::arg("lo"), py::arg("step"),
         py::arg("bits"), py::arg("offsets"), py::arg("group_size"), py::arg("out"),
         "Writes lo + q * step (float32 arithmetic) into out (N, D), contiguous, and returns it.");
+  m.def("quantize_uniform", &quantize_uniform, nogil, py::arg("x2d"), py::arg("bits"),
+        py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
+        py::arg("zero_exact") = false,
+        "quantize with one width (1, 2, 4 or 8) for every row, rows back to back (total = "
+        "N * ceil(D * bits / 8) bytes); the widths and offsets are made here.");
+  m.def("dequantize_uniform", &dequantize_uniform, nogil, py::arg("data"), py::arg("lo"),
+        py::arg("step"), py::arg("bits"), py::arg("group_size"), py::arg("first"),
+        py::arg("out"),
+        "dequantize rows first:first + out.size(0) of a one-width QuantizedTensor's codes "
+        "(data whole, lo/step of every row) into out.");
   m.def("pack_mask", &pack_mask, nogil, py::arg("mask"),
         "Contiguous bool tensor -> ceil(n / 8) uint8, element i at bit i % 8 of byte i // 8.");
   m.def("unpack_mask", &unpack_mask, nogil, py::arg("packed"), py::arg("numel"),

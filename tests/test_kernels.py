@@ -451,3 +451,54 @@ def test_has_cuda_flag():
     assert isinstance(_C.has_cuda, bool)
     if not _C.has_cuda:
         assert "quantize" in dir(_C) and "unpack_mask" in dir(_C)
+
+
+# ----------------------------------------------------------------------------------------------
+# one-width entry points: the kernels lay the rows out themselves
+# ----------------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 6), d=st.integers(0, 300), bits=st.sampled_from([1, 2, 4, 8]),
+       group_size=st.sampled_from([8, 24, 256]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2 ** 32 - 1), stochastic=st.booleans(),
+       zero_exact=st.booleans(), data=st.data())
+def test_uniform_entries_equal_the_general_ones(n, d, bits, group_size, dtype, seed,
+                                                stochastic, zero_exact, data):
+    """quantize_uniform / dequantize_uniform (compiled and reference) give exactly what
+    quantize / dequantize give with the widths and offsets spelled out, for any row range."""
+    if zero_exact and bits == 1:
+        bits = 2
+    g = torch.Generator().manual_seed(seed % 1000)
+    x = torch.randn(n, d, generator=g).to(dtype)
+    b, offsets, total = _layout(x, bits)
+    want = _C.quantize(x, b, offsets, total, group_size, seed, stochastic, zero_exact)
+    for impl in (_C, R):
+        got = impl.quantize_uniform(x, bits, group_size, seed, stochastic, zero_exact)
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+        assert torch.equal(got[2].view(torch.int16), want[2].view(torch.int16))
+    full = torch.empty(n, d, dtype=dtype)
+    _C.dequantize(want[0], want[1], want[2], b, offsets, group_size, full)
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    for impl in (_C, R):
+        out = torch.full((stop - start, d), float("nan"), dtype=dtype)
+        impl.dequantize_uniform(want[0], want[1], want[2], bits, group_size, start, out)
+        assert torch.equal(out.view(-1).view(torch.uint8),
+                           full[start:stop].reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("impl", ["compiled", "reference"])
+def test_uniform_entries_bad_arguments(impl):
+    k = _C if impl == "compiled" else R
+    x = torch.randn(4, 100)
+    data, lo, step = k.quantize_uniform(x, 2, 32, 0, True)
+    for bad in (0, 3, 16):
+        with pytest.raises(ERRORS, match="bits"):
+            k.quantize_uniform(x, bad, 32, 0, True)
+        with pytest.raises(ERRORS, match="bits"):
+            k.dequantize_uniform(data, lo, step, bad, 32, 0, torch.empty(4, 100))
+    with pytest.raises(ERRORS):  # rows 2:6 of 4
+        k.dequantize_uniform(data, lo, step, 2, 32, 2, torch.empty(4, 100))
+    if impl == "compiled":  # the kernels check the rows fit; the reference indexes past them
+        with pytest.raises(ERRORS, match="data"):  # 2-bit codes read as 4-bit ones
+            k.dequantize_uniform(data, lo, step, 4, 32, 0, torch.empty(4, 100))

@@ -294,6 +294,24 @@ def test_autocast_bfloat16_cpu(qcls, layer, shape):
         assert a.dtype == torch.float32 == b.dtype and cos(a, b) >= 0.9999
 
 
+def test_backward_helpers_skip_work_that_changes_nothing():
+    """``cast`` hands back the tensor itself for its own dtype (no ``to`` call) and
+    ``no_autocast`` switches autocast off only where it is on (else a no-op context): what the
+    backward glue of every Q-layer calls several times per step."""
+    t = torch.ones(3)
+    assert flinear.cast(t, torch.float32) is t and flinear.cast(None, torch.float32) is None
+    assert flinear.cast(t, None) is t
+    d = flinear.cast(t, torch.float64)
+    assert d.dtype == torch.float64 and torch.equal(d, t.double())
+    with flinear.no_autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with flinear.no_autocast("cpu"):
+            assert not torch.is_autocast_enabled("cpu")
+            assert torch.mm(t.view(1, 3), t.view(3, 1)).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu")
+
+
 @pytest.mark.parametrize("qcls,layer,shape,fmt", [
     (QConv2d, lambda: nn.Conv2d(4, 6, 3, padding=1, stride=2), (2, 4, 9, 9),
      torch.channels_last),

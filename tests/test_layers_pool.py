@@ -68,6 +68,29 @@ MAXPOOL_CASES = [
 ]
 
 
+def test_window_tables_are_built_once_per_geometry_and_reused_exactly():
+    """The position tables of a pooling geometry are built once (``_positions``) and read by
+    every later call: calls with other batch sizes, channels_last inputs and in between
+    another geometry still give torch's outputs and exact gradients, and the shared tables
+    come out of those calls unchanged."""
+    from actnn_zoo.functional.pool import _positions
+    pool = nn.MaxPool2d(3, 2, 1)
+    _positions.cache_clear()
+    _check_same(pool, _x((2, 3, 9, 9)), "MaxPoolFunctionBackward")
+    assert _positions.cache_info().misses == 1  # built in forward, reused in backward
+    args = ("max", (9, 9), (5, 5), (2, 2), (1, 1), (1, 1), (3, 3), 4, torch.device("cpu"))
+    pos = _positions(*args)  # the forward's entry, not a new one
+    assert _positions.cache_info().misses == 1
+    before = (pos.table.clone(), pos.offsets.clone(), pos.base.clone())
+    for shape, layout, seed in [((5, 3, 9, 9), None, 1), ((4, 3, 9, 9), torch.channels_last, 2)]:
+        _check_same(pool, _x(shape, layout=layout, seed=seed), "MaxPoolFunctionBackward")
+        _check_same(nn.MaxPool2d(2), _x((2, 3, 8, 9), seed=seed), "MaxPoolFunctionBackward")
+    assert _positions.cache_info().misses == 2  # one more geometry
+    assert _positions(*args) is pos
+    for a, b in zip(before, (pos.table, pos.offsets, pos.base)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("case", range(len(MAXPOOL_CASES)))
 @pytest.mark.parametrize("ties", [False, True])
 def test_max_pool_identical_and_exact(case, ties):

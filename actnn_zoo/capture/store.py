@@ -369,11 +369,13 @@ class CompressedStore:
         self._offers.clear()
 
     @_eager
-    def keep(self, t: Tensor) -> None:
-        """Mark a tensor a zoo Function saves on purpose (a payload, exact statistics): tier 3
-        passes it through."""
-        if t.layout == torch.strided and t.numel():
-            self._kept[_storage_ptr(t)] = weakref.ref(t)
+    def keep(self, *tensors: Tensor) -> None:
+        """Mark tensors a zoo Function saves on purpose (a payload, exact statistics): tier 3
+        passes them through."""
+        kept = self._kept
+        for t in tensors:
+            if t.layout == torch.strided and t.numel():
+                kept[_storage_ptr(t)] = weakref.ref(t)
 
     def _is_kept(self, ptr: int) -> bool:
         ref = self._kept.get(ptr)

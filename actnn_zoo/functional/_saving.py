@@ -90,8 +90,7 @@ def save(ctx, *items: Saved) -> None:
     ctx._az_layout = layout
     session = active_session()
     if session is not None:  # what a zoo Function saves is final: tier 3 must not touch it
-        for t in tensors:
-            session.store.keep(t)
+        session.store.keep(*tensors)
     ctx.save_for_backward(*tensors)
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..quant import Bits
 from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
-from .linear import cast, dtype_of, guard_second_order, memory_format_of
+from .linear import cast, dtype_of, guard_second_order, memory_format_of, no_autocast
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -156,8 +156,8 @@ class ConvFunction(torch.autograd.Function):
         xp_shape = ctx.xp_shape  # after padding_mode's F.pad
         padded_shape = xp_shape[:2] + tuple(s + e for s, e in zip(xp_shape[2:], extra))
         gi = gw = gb = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            go, w = grad_out.to(dt), weight.to(dt)
+        with no_autocast(grad_out.device.type):
+            go, w = cast(grad_out, dt), cast(weight, dt)
             layer = f"QConv{'Transpose' if spec.transposed else ''}{spec.dims}d"
 
             def conv_backward(go_: Tensor, x: Tensor, mask: List[bool]) -> Tuple[Tensor, ...]:
@@ -168,11 +168,9 @@ class ConvFunction(torch.autograd.Function):
 
             def decoded(rows: Optional[Tuple[int, int]] = None) -> Tensor:
                 x = restore(x_q) if rows is None else dequantize_rows(x_q, *rows)
-                x = spec.pad(x.to(dt).contiguous(memory_format=ctx.x_format))
+                x = spec.pad(cast(x, dt).contiguous(memory_format=ctx.x_format))
                 return F.pad(x, pad_nd) if any(extra) else x
 
-            # Only the input gradient is wanted: the op reads the input's shape, not values.
-            shape_only = go.new_empty(()).expand(padded_shape)
             chunks = sample_chunks(x_q, ctx.chunks) if need_w else []
             if chunks:
                 # The weight and bias gradients are sums over samples, accumulated chunk by chunk
@@ -194,7 +192,10 @@ class ConvFunction(torch.autograd.Function):
                 # Bias grad comes with the weight grad (oneDNN computes them together); alone,
                 # it is just a sum, done below.
                 mask = [need_x, need_w, need_b and need_w]
-                gi, gw, gb = conv_backward(go, decoded() if need_w else shape_only, mask)
+                # Only the input gradient wanted: the op reads the input's shape, not values.
+                x = decoded() if need_w else go.new_empty(()).expand(padded_shape)
+                gi, gw, gb = conv_backward(go, x, mask)
+                del x
                 gi = gi if need_x else None
                 gw = gw if need_w else None
             if need_w:

@@ -15,7 +15,8 @@ differentiates through it, instead of returning a silently wrong gradient.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+from typing import Any, ContextManager, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -68,10 +69,21 @@ def memory_format_of(x: Tensor) -> torch.memory_format:
 
 
 def cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
-    """``t.to(dtype)`` that passes None through (gradients come back in the input's dtype)."""
-    if t is None or dtype is None:
+    """``t.to(dtype)`` that passes None through (gradients come back in the input's dtype).
+    Same dtype: ``t`` itself without the call (what ``to`` returns then; every Q-layer backward
+    casts several tensors that already have their dtype)."""
+    if t is None or dtype is None or t.dtype == dtype:
         return t
     return t.to(dtype)
+
+
+def no_autocast(device_type: str) -> ContextManager[Any]:
+    """``torch.autocast(device_type, enabled=False)`` where autocast is on for that device type,
+    else a no-op context. A backward runs its ops in the dtypes its forward chose; entering a
+    disabled autocast costs more than the rest of a small layer's backward glue together."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def dtype_of(t: Optional[Tensor]) -> Optional[torch.dtype]:
@@ -147,11 +159,11 @@ class LinearFunction(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dt = ctx.compute_dtype
         gi = gw = gb = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            go = grad_out.to(dt)
+        with no_autocast(grad_out.device.type):
+            go = cast(grad_out, dt)
             go2 = go.reshape(-1, go.shape[-1])
             if need_x:
-                gi = go.matmul(weight.to(dt))
+                gi = go.matmul(cast(weight, dt))
             if need_w:
                 chunks = sample_chunks(x_q, ctx.chunks)
                 if chunks:  # sum over samples, one decoded chunk at a time (_saving)
@@ -162,7 +174,7 @@ class LinearFunction(torch.autograd.Function):
                         gw = gw_c if gw is None else gw.add_(gw_c)
                         del x2
                 else:
-                    x2 = restore(x_q).to(dt)
+                    x2 = cast(restore(x_q), dt)
                     gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
                 gw = guard_second_order(gw, weight, "QLinear weight gradient", need_x)
             if need_b:

@@ -37,7 +37,7 @@ from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor
 from ._saving import (compress, compress_produced, dequantize_rows, load, restore,
                       sample_chunks, save)
-from .linear import cast, dtype_of, first_order_only, memory_format_of
+from .linear import cast, dtype_of, first_order_only, memory_format_of, no_autocast
 
 
 
@@ -85,7 +85,7 @@ def _per_group(stat: Tensor, x: Tensor, groups: int) -> Tensor:
 def _normalize(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
     """x_hat = (x - mean) * invstd in float32 (float64 stays float64), x's memory format."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.to(work) - mean.to(work)).mul_(invstd.to(work))
+    return (cast(x, work) - cast(mean, work)).mul_(cast(invstd, work))
 
 
 def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: LayerQConfig,
@@ -116,8 +116,8 @@ def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype
     tensor is never owned (a second backward reads it again)."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     if owned and x_hat.dtype == work:
-        return x_hat.div_(invstd.to(work)).add_(mean.to(work)).to(dtype)
-    return (x_hat.to(work) / invstd.to(work)).add_(mean.to(work)).to(dtype)
+        return cast(x_hat.div_(cast(invstd, work)).add_(cast(mean, work)), dtype)
+    return cast((cast(x_hat, work) / cast(invstd, work)).add_(cast(mean, work)), dtype)
 
 
 # -- BatchNorm ----------------------------------------------------------------------------------
@@ -158,8 +158,8 @@ class BatchNormFunction(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dt = ctx.compute_dtype
         gi = gw = gb = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            go = grad_out.to(dt)
+        with no_autocast(grad_out.device.type):
+            go = cast(grad_out, dt)
             chunks = sample_chunks(x_q, ctx.chunks)
             if chunks:
                 gi, gw, gb = _bn_backward_by_chunks(go, x_q, invstd, weight, chunks, ctx.x_format,
@@ -287,7 +287,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         gi = gw = gb = None
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with no_autocast(grad_out.device.type):
             go = grad_out.float()
             dims = _channel_dims(go)
             shape = [1, -1] + [1] * (go.dim() - 2)
@@ -340,8 +340,8 @@ class LayerNormFunction(torch.autograd.Function):
         dt = ctx.compute_dtype
         to_dt = dt if dt != x_dtype else None
         gi = gw = gb = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            go = grad_out.to(dt)
+        with no_autocast(grad_out.device.type):
+            go = cast(grad_out, dt)
             if x_q is not None:
                 x = _denormalize(restore(x_q), mean, rstd, dt,
                                  owned=not isinstance(x_q, Tensor))
@@ -392,9 +392,9 @@ class GroupNormFunction(torch.autograd.Function):
         dt = ctx.compute_dtype
         n, c, hxw, g = ctx.sizes
         gi = gw = gb = None
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with no_autocast(grad_out.device.type):
             # Like autograd's own rule: gradient and input in the input's memory format.
-            go = grad_out.to(dt).contiguous(memory_format=ctx.x_format)
+            go = cast(grad_out, dt).contiguous(memory_format=ctx.x_format)
             if x_q is not None:
                 x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
                 x = _denormalize(x_hat, _per_group(mean, x_hat, g), _per_group(rstd, x_hat, g),

@@ -16,6 +16,8 @@ public; it costs one extra forward on zeros in backward).
 """
 from __future__ import annotations
 
+import functools
+
 from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -180,6 +182,10 @@ class _Positions:
     lookup table turns it into the position (one subtraction and one gather each way).
     When two positions share an offset (a dilated/padded window wider than the input) the
     per-dimension coordinates are computed instead.
+
+    Everything here depends only on the pooling geometry, so :func:`_positions` builds it once
+    per geometry and device (a dozen small ops that were a max-pool's largest fixed cost per
+    call); nothing writes to these tensors afterwards.
     """
 
     def __init__(self, kind: str, in_sizes: Tuple[int, ...], out_sizes: Tuple[int, ...],
@@ -192,10 +198,14 @@ class _Positions:
         self.fast = len(set(self.offs)) == len(self.offs)
         self.dtype = _code_dtype(nbits)
         self.device = device
+        self.base = _window_base(self.starts, self.in_sizes, 0)  # (*out_sizes)
+        self.offsets = self._device_offsets()
+        self.table = torch.zeros(max(self.offs) + 1, dtype=self.dtype, device=device)
+        self.table[self.offsets] = torch.arange(len(self.offs), device=device).to(self.dtype)
 
     def _device_offsets(self) -> Tensor:
         """``self.offs`` as an int64 tensor built on the device from aranges: a host list
-        copied to a GPU (``torch.tensor(offs, device=...)``) would synchronise every call."""
+        copied to a GPU (``torch.tensor(offs, device=...)``) would synchronise."""
         offs = torch.zeros(1, dtype=torch.int64, device=self.device)
         for j in range(len(self.in_sizes)):
             step = self.dilation[j] * _prod(self.in_sizes[j + 1:])
@@ -203,27 +213,38 @@ class _Positions:
             offs = (offs.unsqueeze(1) + ks).reshape(-1)
         return offs
 
+    def window_base(self, lead: int) -> Tensor:
+        """Each window's first flat index, broadcastable against ``lead`` batch/channel dims."""
+        return self.base.view((1,) * lead + tuple(self.base.shape))
+
     def encode(self, idx: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
         """Codes in memory order (contiguous)."""
         if not self.fast:
             codes = _indices_to_codes(idx, self.in_sizes, self.starts, self.dilation,
                                       self.window)
             return to_memory_order(codes.to(self.dtype), perm).contiguous()
-        base = _window_base(self.starts, self.in_sizes, idx.dim() - len(self.in_sizes))
+        base = self.window_base(idx.dim() - len(self.in_sizes))
         delta = to_memory_order(idx, perm) - to_memory_order(base, perm)
-        table = torch.zeros(max(self.offs) + 1, dtype=self.dtype, device=self.device)
-        table[self._device_offsets()] = torch.arange(
-            len(self.offs), device=self.device).to(self.dtype)
-        return torch.take(table, delta)
+        return torch.take(self.table, delta)
 
     def decode(self, codes: Tensor, perm: Optional[Tuple[int, ...]], lead: int) -> Tensor:
         """torch's flat indices (logical order) from memory-order codes."""
         if not self.fast:
             return _codes_to_indices(from_memory_order(codes, perm).long(), self.in_sizes,
                                      self.starts, self.dilation, self.window)
-        base = _window_base(self.starts, self.in_sizes, lead)
-        idx = torch.take(self._device_offsets(), codes.long()).add_(to_memory_order(base, perm))
+        base = to_memory_order(self.window_base(lead), perm)
+        idx = torch.take(self.offsets, codes.long()).add_(base)
         return from_memory_order(idx, perm)
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(kind: str, in_sizes: Tuple[int, ...], out_sizes: Tuple[int, ...],
+               stride: Tuple[int, ...], padding: Tuple[int, ...], dilation: Tuple[int, ...],
+               window: Tuple[int, ...], nbits: int, device: torch.device) -> _Positions:
+    """The :class:`_Positions` of one pooling geometry on one device, built once (a memo of
+    constant index tensors, like torch's own caches of kernels: same key, same tensors)."""
+    return _Positions(kind, in_sizes, out_sizes, stride, padding, dilation, window, nbits,
+                      device)
 
 
 def _max_pool_backward(grad: Tensor, shape_only: Tensor, idx: Tensor, kind: str, nd: int,
@@ -282,7 +303,7 @@ class MaxPoolFunction(torch.autograd.Function):
         nbits = code_bits(_prod(window))
         perm = memory_perm(idx)
         if nbits:
-            pos = _Positions(kind, in_sizes, out_sizes, stride, padding, dilation, window,
+            pos = _positions(kind, in_sizes, out_sizes, stride, padding, dilation, window,
                              nbits, x.device)
             packed = pack_codes(pos.encode(idx, perm), nbits)
         else:
@@ -307,7 +328,7 @@ class MaxPoolFunction(torch.autograd.Function):
         perm = ctx.perm
         codes = unpack_codes(packed, nbits, _prod(ctx.out_shape))
         codes = codes.view(_permuted(ctx.out_shape, perm))
-        pos = _Positions(kind, in_sizes, out_sizes, stride, padding, dilation, window, nbits,
+        pos = _positions(kind, in_sizes, out_sizes, stride, padding, dilation, window, nbits,
                          grad.device)
         idx = pos.decode(codes, perm, len(ctx.out_shape) - nd)
         del codes

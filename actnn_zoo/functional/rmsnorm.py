@@ -28,7 +28,7 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..quant import Bits
 from ._saving import compress, load, restore, save
-from .linear import cast, dtype_of, first_order_only
+from .linear import cast, dtype_of, first_order_only, no_autocast
 from .norm import _needs_saved_input
 
 __all__ = ["RMS_STYLES", "RMSNormFunction", "rms_norm"]
@@ -95,7 +95,7 @@ class RMSNormFunction(torch.autograd.Function):
         gi = gw = None
         if n_q is not None:
             work = rstd.dtype
-            with torch.autocast(grad_out.device.type, enabled=False):
+            with no_autocast(grad_out.device.type):
                 go = grad_out.to(work)
                 n = restore(n_q).to(work)
                 if need_w:

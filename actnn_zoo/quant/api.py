@@ -201,28 +201,37 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     if transform == "hadamard" and n * d:
         rows = hadamard_(rows.to(torch.float32, memory_format=torch.contiguous_format,
                                  copy=True), group_size, seed)
-    row_bits, uniform = _row_bits(bits, n, x.device)
-    check_sample_bits(bits, validate)
-    offsets = row_offsets(d, row_bits) if uniform is None else _uniform_offsets(n, d, uniform,
-                                                                              x.device)
-    g = -(-d // group_size)
-    if n * d == 0:
-        total = 0
-        data = torch.empty(0, dtype=torch.uint8, device=x.device)
-        lo = torch.empty(n, g, dtype=torch.bfloat16, device=x.device)
-        step = torch.empty_like(lo)
-    else:
-        total = _capacity(bits, offsets, n, d) if uniform is None \
-            else n * ((d * uniform + 7) // 8)
-        data, lo, step = kernels(x.device).quantize(
-            rows.contiguous(), row_bits, offsets, total, group_size, seed & 0xFFFFFFFF,
-            rounding == "stochastic", zero_exact)
     tseed = seed & 0xFFFFFFFF if transform != "none" else 0
-    if uniform is None:
-        return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
-                               row_bits, offsets, transform, tseed, zero_exact)
-    return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
-                           transform=transform, transform_seed=tseed, zero_exact=zero_exact)
+    stochastic = rounding == "stochastic"
+    if not isinstance(bits, (Tensor, SampleBits)):
+        # one width: the kernel lays the rows out itself (no widths/offsets tensors per call)
+        uniform = check_bits(bits)
+        if n * d == 0:
+            data, lo, step = _empty_codes(n, d, group_size, x.device)
+        else:
+            data, lo, step = kernels(x.device).quantize_uniform(
+                rows.contiguous(), uniform, group_size, seed & 0xFFFFFFFF, stochastic,
+                zero_exact)
+        return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
+                               transform=transform, transform_seed=tseed, zero_exact=zero_exact)
+    row_bits, _ = _row_bits(bits, n, x.device)
+    check_sample_bits(bits, validate)
+    offsets = row_offsets(d, row_bits)
+    if n * d == 0:
+        data, lo, step = _empty_codes(n, d, group_size, x.device)
+    else:
+        data, lo, step = kernels(x.device).quantize(
+            rows.contiguous(), row_bits, offsets, _capacity(bits, offsets, n, d), group_size,
+            seed & 0xFFFFFFFF, stochastic, zero_exact)
+    return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
+                           row_bits, offsets, transform, tseed, zero_exact)
+
+
+def _empty_codes(n: int, d: int, group_size: int, device: torch.device
+                 ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(data, lo, step) of a tensor with no values: no bytes, (N, G) empty metadata."""
+    lo = torch.empty(n, -(-d // group_size), dtype=torch.bfloat16, device=device)
+    return torch.empty(0, dtype=torch.uint8, device=device), lo, torch.empty_like(lo)
 
 
 def check_quantize_args(x: Tensor, group_size: int, rounding: str,
@@ -337,18 +346,16 @@ def _dequantize_rows_into(q: QuantizedTensor, start: int, stop: int, rows: Tenso
                           validate: Optional[bool]) -> None:
     """The kernel call: rows ``start:stop`` of ``q`` into the (stop - start, D) ``rows``. The
     codes are addressed through absolute row offsets, so the whole ``data`` buffer is passed."""
-    d = rows.shape[1]
-    if q.mixed:
-        row_bits, offsets = q.row_bits[start:stop], q.offsets[start:stop + 1]
-        if debug_checks(validate):
-            _check_layout(q.row_bits, q.offsets, d, q.data.numel(), "QuantizedTensor.row_bits")
-    else:
-        row_bits = torch.full((stop - start,), q.bits, dtype=torch.uint8, device=q.device)
-        offsets = _uniform_offsets(stop - start, d, q.bits, q.device)
-        if start:
-            offsets = offsets + start * ((d * q.bits + 7) // 8)
-    kernels(q.device).dequantize(q.data, q.lo[start:stop], q.step[start:stop], row_bits, offsets,
-                                 q.group_size, rows)
+    if not q.mixed:  # the kernel lays the rows out itself (no widths/offsets tensors)
+        kernels(rows.device).dequantize_uniform(q.data, q.lo, q.step, q.bits, q.group_size,
+                                                start, rows)
+        return
+    if debug_checks(validate):
+        _check_layout(q.row_bits, q.offsets, rows.shape[1], q.data.numel(),
+                      "QuantizedTensor.row_bits")
+    kernels(rows.device).dequantize(q.data, q.lo[start:stop], q.step[start:stop],
+                                    q.row_bits[start:stop], q.offsets[start:stop + 1],
+                                    q.group_size, rows)
 
 
 def pack_mask(mask: Tensor) -> Tensor:

@@ -303,6 +303,36 @@ def dequantize(data: Tensor, lo: Tensor, step: Tensor, bits: Tensor, offsets: Te
     return out
 
 
+def _uniform_layout(n: int, d: int, bits: int, first: int, device: torch.device
+                    ) -> Tuple[Tensor, Tensor]:
+    """One width for every row, rows back to back from row ``first``: (widths, offsets)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    rb = (d * bits + 7) // 8
+    offsets = (torch.arange(n + 1, dtype=torch.int64, device=device) + first) * rb
+    return torch.full((n,), bits, dtype=torch.uint8, device=device), offsets
+
+
+def quantize_uniform(x2d: Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
+                     zero_exact: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`quantize` with one width for every row (``N * ceil(D * bits / 8)`` bytes)."""
+    n, d = x2d.shape
+    row_bits, offsets = _uniform_layout(n, d, bits, 0, x2d.device)
+    return quantize(x2d, row_bits, offsets, n * ((d * bits + 7) // 8), group_size, seed,
+                    stochastic, zero_exact)
+
+
+def dequantize_uniform(data: Tensor, lo: Tensor, step: Tensor, bits: int, group_size: int,
+                       first: int, out: Tensor) -> Tensor:
+    """:func:`dequantize` of rows ``first:first + len(out)`` of one-width codes into ``out``."""
+    n, d = out.shape
+    if first < 0 or first + n > lo.shape[0] or first + n > step.shape[0]:
+        raise ValueError(f"rows {first}:{first + n} are not rows of lo/step {tuple(lo.shape)}")
+    row_bits, offsets = _uniform_layout(n, d, bits, first, out.device)
+    return dequantize(data, lo[first:first + n], step[first:first + n], row_bits, offsets,
+                      group_size, out)
+
+
 def pack_mask(mask: Tensor) -> Tensor:
     """Flat bool tensor -> ceil(n / 8) bytes, element i at bit i % 8 of byte i // 8."""
     n = mask.numel()

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""The fixed cost of one Q-layer call: forward + backward of a single layer at batch 1 (tiny
+tensors, so the arithmetic is negligible and what is left is Python and dispatch), against the
+torch layer, in microseconds per call. Three ways to run the Q-layer: converted with capture
+(what ``convert_model`` gives: the session, the store, ReLU codes), converted without capture
+(``capture: false``), and the 2-bit default strategy (``actnn``, per-sample widths).
+
+Thread CPU time of one torch thread, all variants timed round-robin in one process
+(``actnn_zoo.memory.interleaved_step_times``). Per call the minimum by default: a fixed cost is
+what a call takes when nothing interrupts it, and on a shared machine interruptions only add
+(``--stat median`` for the median). E.g.
+    .venv/bin/python scripts/bench_layer_overhead.py
+    .venv/bin/python scripts/bench_layer_overhead.py --layers conv,bn --calls 400
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from actnn_zoo import convert_model  # noqa: E402
+from actnn_zoo.memory import interleaved_step_times  # noqa: E402
+
+# name -> (layer factory, input shape); inputs require grad so every layer's backward runs
+LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
+    "conv": (lambda: nn.Conv2d(16, 16, 3, padding=1), (1, 16, 8, 8)),
+    "bn": (lambda: nn.BatchNorm2d(16), (2, 16, 8, 8)),  # training BN needs 2 values a channel
+    "relu": (lambda: nn.ReLU(), (1, 16, 8, 8)),
+    "maxpool": (lambda: nn.MaxPool2d(2), (1, 16, 8, 8)),
+    "linear": (lambda: nn.Linear(128, 128), (1, 128)),
+    "layernorm": (lambda: nn.LayerNorm(128), (1, 128)),
+    "gelu": (lambda: nn.GELU(), (1, 128)),
+}
+
+VARIANTS = {  # name -> convert_model overrides (None: the torch layer)
+    "torch": None,
+    "uniform 2, capture": {"bits": 2, "strategy": "uniform"},
+    "uniform 2, no capture": {"bits": 2, "strategy": "uniform", "capture": False},
+    "default (actnn)": {},
+}
+
+
+def step_fn(layer: str, overrides) -> Callable[[], None]:
+    make, shape = LAYERS[layer]
+    torch.manual_seed(0)
+    model = nn.Sequential(make()).train()
+    if overrides is not None:
+        model = convert_model(model, **overrides)
+    x = torch.randn(shape, requires_grad=True)
+
+    def step() -> None:
+        model(x).sum().backward()
+    return step
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", default=",".join(LAYERS))
+    p.add_argument("--calls", type=int, default=300, help="timed calls per variant")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--stat", choices=("min", "median"), default="min")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    names = [s.strip() for s in args.layers.split(",") if s.strip()]
+    unknown = [n for n in names if n not in LAYERS]
+    if unknown:
+        p.error(f"unknown layer(s) {unknown}; known: {', '.join(LAYERS)}")
+    stat = min if args.stat == "min" else statistics.median
+    print(f"torch {torch.__version__}, 1 thread, thread CPU time, {args.stat} microseconds per "
+          f"forward + backward call ({args.calls} calls per variant, {args.rounds} rounds)")
+    head = f"{'layer':10s}" + "".join(f" | {v:>21s}" for v in VARIANTS)
+    print(head)
+    print("-" * len(head))
+    for name in names:
+        steps = {v: step_fn(name, o) for v, o in VARIANTS.items()}
+        times = interleaved_step_times(steps, n=args.calls, warmup=20, rounds=args.rounds,
+                                       clock=time.thread_time)
+        med = {v: stat(t) * 1e6 for v, t in times.items()}
+        base = med["torch"]
+        cells = [f"{med['torch']:9.0f}" + " " * 12]
+        cells += [f"{med[v]:9.0f} (+{med[v] - base:6.0f})" for v in list(VARIANTS)[1:]]
+        print(f"{name:10s}" + "".join(f" | {c:>21s}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
