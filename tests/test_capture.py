@@ -189,6 +189,31 @@ def test_tier3_compresses_products_and_gradients_match_at_8_bits():
     assert full / saved_activation_bytes(q2, xr).total_bytes > 10
 
 
+def test_parameters_are_listed_only_when_a_save_needs_it(monkeypatch):
+    """The store lists the model's parameter storages at the first large save that no zoo
+    Function made, not at every forward: a converted CNN (whose large saves, its weights
+    included, are all the Functions' own) never lists them; a model whose raw op saves its
+    weight lists them once per forward and still leaves that weight as it is."""
+    import actnn_zoo.capture.attach as attach
+    calls = []
+    real = attach.parameter_storages
+    monkeypatch.setattr(attach, "parameter_storages",
+                        lambda root: calls.append(root) or real(root))
+    cnn = az.convert_model(nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64),
+                                         nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1)),
+                           bits=2, strategy="uniform")
+    assert cnn[0].weight.numel() >= attach.MIN_NUMEL  # large enough to need the answer
+    for _ in range(2):
+        cnn(torch.randn(2, 64, 8, 8)).sum().backward()
+    assert calls == []
+    prod = az.convert_model(Products(), bits=2, strategy="uniform")
+    for step in range(2):
+        prod(torch.randn(4, 32, 64, requires_grad=True)).sum().backward()
+        assert len(calls) == step + 1
+    count, nbytes = az.capture_report(prod).passed["parameter or buffer"]
+    assert count >= 1 and nbytes >= prod.w.numel() * 4
+
+
 def test_tier3_two_bit_weight_gradient_is_unbiased():
     """y = addmm(b, x, W): dL/dW = x^T g is linear in the saved x, so the mean of K compressed
     gradients converges to the exact one. K = 400; per element the mean must lie within 5

@@ -51,15 +51,15 @@ class CaptureSession:
 
     def __init__(self, root: nn.Module, qconfig: LayerQConfig, min_numel: int,
                  relu_slots: Optional[List[ZeroCodeSlot]] = None) -> None:
-        skip, wrapped = parameter_storages(root)
         self.qconfig = qconfig
         self._relu_slots = relu_slots
         self._relu_calls = 0
         self.stats = CaptureStats()
-        # FSDP2 (sharded DTensor parameters): the plain, unsharded parameters the layers use
-        # exist only while each layer runs, so the store re-reads them when a save misses
-        refresh = (lambda: parameter_storages(root)[0]) if wrapped else None
-        self.store = CompressedStore(qconfig, skip, min_numel, self.stats, refresh)
+        # listed when first needed; under FSDP2 (sharded DTensor parameters) the plain,
+        # unsharded parameters the layers use exist only while each layer runs, so the store
+        # lists them again when a save misses (parameter_storages says when)
+        self.store = CompressedStore(qconfig, lambda: parameter_storages(root), min_numel,
+                                     self.stats)
         self._mode = CaptureMode(self, HANDLERS)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack,
                                                                 self.store.unpack)
