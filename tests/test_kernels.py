@@ -502,3 +502,21 @@ def test_uniform_entries_bad_arguments(impl):
     if impl == "compiled":  # the kernels check the rows fit; the reference indexes past them
         with pytest.raises(ERRORS, match="data"):  # 2-bit codes read as 4-bit ones
             k.dequantize_uniform(data, lo, step, 4, 32, 0, torch.empty(4, 100))
+
+
+@settings(max_examples=40, deadline=None)
+@given(widths=st.lists(st.sampled_from([1, 2, 4, 8]), max_size=40), d=st.integers(0, 1000),
+       dtype=st.sampled_from([torch.uint8, torch.int64]))
+def test_row_offsets_equal_the_reference(widths, d, dtype):
+    """The compiled row layout of mixed widths (a loop on the CPU for uint8 widths, tensor ops
+    otherwise) equals reference.row_offsets exactly, the empty batch included."""
+    bits = torch.tensor(widths, dtype=dtype)
+    got = _C.row_offsets(d, bits)
+    assert got.dtype == torch.int64 and torch.equal(got, R.row_offsets(d, bits))
+
+
+def test_row_offsets_bad_arguments():
+    with pytest.raises(ERRORS, match="1-d"):
+        _C.row_offsets(8, torch.ones(2, 2, dtype=torch.uint8))
+    with pytest.raises(ERRORS, match="non-negative"):
+        _C.row_offsets(-1, torch.ones(2, dtype=torch.uint8))

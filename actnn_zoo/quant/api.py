@@ -19,7 +19,6 @@ from torch import Tensor
 from . import reference
 from .backend import kernels
 from .hadamard import check_transform, check_transform_group, hadamard_
-from .reference import row_offsets
 from .tensor import QuantizedTensor
 
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -216,7 +215,7 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
                                transform=transform, transform_seed=tseed, zero_exact=zero_exact)
     row_bits, _ = _row_bits(bits, n, x.device)
     check_sample_bits(bits, validate)
-    offsets = row_offsets(d, row_bits)
+    offsets = kernels(x.device).row_offsets(d, row_bits)
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
