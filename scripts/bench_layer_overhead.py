@@ -38,6 +38,8 @@ LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "linear": (lambda: nn.Linear(128, 128), (1, 128)),
     "layernorm": (lambda: nn.LayerNorm(128), (1, 128)),
     "gelu": (lambda: nn.GELU(), (1, 128)),
+    "softmax": (lambda: nn.Softmax(dim=-1), (1, 4, 16, 16)),
+    "dropout": (lambda: nn.Dropout(0.1), (1, 128)),
 }
 
 VARIANTS = {  # name -> convert_model overrides (None: the torch layer)
