@@ -1,0 +1,39 @@
+"""scripts/bench_layer_overhead.py: its table (a tiny run) and its argument errors."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_layer_overhead.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("_az_bench_layer_overhead", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_one_row_per_layer_with_the_extra_time_of_each_variant(capsys):
+    mod = _script()
+    assert mod.main(["--layers", "relu,maxpool", "--calls", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("relu ", "maxpool "))]
+    assert [r.split()[0] for r in rows] == ["relu", "maxpool"]
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:]]
+        assert len(cells) == len(mod.VARIANTS)
+        torch_us = float(cells[0])
+        for cell in cells[1:]:  # "<total> (+<extra>)": the extra is total minus the torch layer
+            total, extra = map(float, re.fullmatch(r"([\d.]+) \(\+\s*(-?[\d.]+)\)", cell).groups())
+            assert total > 0 and extra == pytest.approx(total - torch_us, abs=1)
+
+
+def test_unknown_layer_is_named(capsys):
+    with pytest.raises(SystemExit):
+        _script().main(["--layers", "conv,attention"])
+    err = capsys.readouterr().err
+    assert "attention" in err and "conv" in err.split("known:")[1]
