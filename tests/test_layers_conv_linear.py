@@ -294,11 +294,27 @@ def test_autocast_bfloat16_cpu(qcls, layer, shape):
         assert a.dtype == torch.float32 == b.dtype and cos(a, b) >= 0.9999
 
 
-def test_backward_helpers_skip_work_that_changes_nothing():
+def test_backward_helpers_skip_work_that_changes_nothing(monkeypatch):
     """``cast`` hands back the tensor itself for its own dtype (no ``to`` call) and
     ``no_autocast`` switches autocast off only where it is on (else a no-op context): what the
     backward glue of every Q-layer calls several times per step."""
     t = torch.ones(3)
+    calls = []
+    real_to, real_autocast = torch.Tensor.to, torch.autocast
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append("to")
+                        or real_to(self, *a, **k))
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: calls.append("autocast")
+                        or real_autocast(*a, **k))
+    flinear.cast(t, torch.float32)
+    with flinear.no_autocast("cpu"):
+        pass
+    assert calls == []  # neither call is made where it would change nothing
+    flinear.cast(t, torch.float64)
+    with real_autocast("cpu", dtype=torch.bfloat16):
+        with flinear.no_autocast("cpu"):
+            pass
+    assert calls == ["to", "autocast"]
+    monkeypatch.undo()
     assert flinear.cast(t, torch.float32) is t and flinear.cast(None, torch.float32) is None
     assert flinear.cast(t, None) is t
     d = flinear.cast(t, torch.float64)

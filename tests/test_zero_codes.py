@@ -23,7 +23,6 @@ from torch import nn
 import actnn_zoo as az
 from actnn_zoo.quant import SampleBits, dequantize, masked_grad_codes, quantize
 from actnn_zoo.quant import reference as R
-from actnn_zoo.quant.api import _uniform_offsets
 from actnn_zoo.quant.backend import extension
 from actnn_zoo.memory import ROOT, saved_activation_bytes
 
@@ -40,7 +39,7 @@ def relu_like(n: int, d: int, seed: int, zero_frac: float = 0.5, dtype=torch.flo
 def ref_quantize(x2d, bits, group_size, seed, stochastic=True):
     n, d = x2d.shape
     rb = torch.full((n,), bits, dtype=torch.uint8)
-    off = _uniform_offsets(n, d, bits, x2d.device)
+    off = R.uniform_offsets(n, d, bits, x2d.device)
     return R.quantize(x2d, rb, off, int(off[-1]), group_size, seed, stochastic,
                       zero_exact=True), rb, off
 

@@ -16,9 +16,7 @@ public; it costs one extra forward on zeros in backward).
 """
 from __future__ import annotations
 
-import functools
-
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -237,7 +235,7 @@ class _Positions:
         return from_memory_order(idx, perm)
 
 
-@functools.lru_cache(maxsize=64)
+@lru_cache(maxsize=64)
 def _positions(kind: str, in_sizes: Tuple[int, ...], out_sizes: Tuple[int, ...],
                stride: Tuple[int, ...], padding: Tuple[int, ...], dilation: Tuple[int, ...],
                window: Tuple[int, ...], nbits: int, device: torch.device) -> _Positions:

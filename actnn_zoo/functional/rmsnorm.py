@@ -96,8 +96,8 @@ class RMSNormFunction(torch.autograd.Function):
         if n_q is not None:
             work = rstd.dtype
             with no_autocast(grad_out.device.type):
-                go = grad_out.to(work)
-                n = restore(n_q).to(work)
+                go = cast(grad_out, work)
+                n = cast(restore(n_q), work)
                 if need_w:
                     lead = list(range(go.dim() - len(ctx.dims)))
                     gw = (go * n).sum(lead) if lead else go * n

@@ -153,15 +153,6 @@ def check_sample_bits(bits: Bits, validate: Optional[bool]) -> None:
                              f"{bits.max_sum} (debug check, {DEBUG_ENV})")
 
 
-def _uniform_offsets(n: int, d: int, bits: int, device: torch.device) -> Tensor:
-    """row_offsets for one width: (N + 1,) int64 multiples of the row size, as one arange (the
-    general cumsum costs five small ops, a fixed cost every Q-layer paid twice per step)."""
-    rb = (d * bits + 7) // 8
-    if rb == 0:
-        return torch.zeros(n + 1, dtype=torch.int64, device=device)
-    return torch.arange(0, (n + 1) * rb, rb, dtype=torch.int64, device=device)
-
-
 def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
              seed: Optional[int] = None, rounding: str = "stochastic",
              validate: Optional[bool] = None, transform: str = "none",
@@ -460,12 +451,11 @@ def masked_grad_codes(grad: Tensor, q: QuantizedTensor) -> Tensor:
     if q.mixed:
         row_bits, offsets = q.row_bits, q.offsets
     else:
-        offsets = _uniform_offsets(n, d, q.bits, q.device)
+        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
         row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
     k = kernels(grad.device)
     fn = getattr(k, "masked_grad_codes", None)
     if fn is None or (grad.requires_grad and torch.is_grad_enabled()):
-        from . import reference
         return reference.masked_grad_codes(g2, q.data, q.step, row_bits, offsets,
                                            q.group_size).view(grad.shape)
     return fn(g2, q.data, q.step, row_bits, offsets, q.group_size).view(grad.shape)

@@ -41,10 +41,9 @@ import torch
 from torch import Tensor
 
 from . import division_reference
-from .api import (SUPPORTED_DTYPES, Bits, _capacity, _row_bits, _uniform_offsets,
-                  check_sample_bits, draw_seed)
+from .api import SUPPORTED_DTYPES, Bits, _capacity, _row_bits, check_sample_bits, draw_seed
 from .backend import kernels
-from .reference import row_offsets
+from .reference import row_offsets, uniform_offsets
 from .tensor import CompressedPayload, QuantizedTensor, SparseQuantizedTensor
 
 COMPRESSORS = ("quant", "division")
@@ -159,7 +158,7 @@ def division_quantize(x: Tensor, bits: Bits = 2, block: int = DEFAULT_BLOCK,
     row_bits, uniform = _row_bits(bits, n, x.device)
     check_sample_bits(bits, validate)
     offsets = row_offsets(d, row_bits) if uniform is None \
-        else _uniform_offsets(n, d, uniform, x.device)
+        else uniform_offsets(n, d, uniform, x.device)
     has_low = has_low_part(x.shape, block)
     shape5 = as_5d(x.shape)
     if x.numel() == 0:
@@ -196,7 +195,7 @@ def division_dequantize(q: DivisionTensor) -> Tensor:
         row_bits, offsets = q.row_bits, q.offsets
     else:
         row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
-        offsets = _uniform_offsets(n, d, q.bits, q.device)
+        offsets = uniform_offsets(n, d, q.bits, q.device)
     shape5 = as_5d(q.shape)
     low = q.low.reshape(*shape5[:2], *division_reference.block_counts(shape5[2:], q.block)) \
         if q.has_low else q.low

@@ -303,14 +303,22 @@ def dequantize(data: Tensor, lo: Tensor, step: Tensor, bits: Tensor, offsets: Te
     return out
 
 
+def uniform_offsets(n: int, d: int, bits: int, device: torch.device, first: int = 0) -> Tensor:
+    """:func:`row_offsets` for one width, rows back to back from row ``first``: one arange (the
+    general cumsum costs five small ops)."""
+    rb = (d * bits + 7) // 8
+    if rb == 0:
+        return torch.zeros(n + 1, dtype=torch.int64, device=device)
+    return torch.arange(first * rb, (first + n + 1) * rb, rb, dtype=torch.int64, device=device)
+
+
 def _uniform_layout(n: int, d: int, bits: int, first: int, device: torch.device
                     ) -> Tuple[Tensor, Tensor]:
     """One width for every row, rows back to back from row ``first``: (widths, offsets)."""
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
-    rb = (d * bits + 7) // 8
-    offsets = (torch.arange(n + 1, dtype=torch.int64, device=device) + first) * rb
-    return torch.full((n,), bits, dtype=torch.uint8, device=device), offsets
+    return (torch.full((n,), bits, dtype=torch.uint8, device=device),
+            uniform_offsets(n, d, bits, device, first))
 
 
 def quantize_uniform(x2d: Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
