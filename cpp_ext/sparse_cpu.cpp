@@ -5,8 +5,9 @@
 // per value, the size of plain 2-bit codes, while the mask is exactly ReLU's backward mask and
 // each group's range spans only its nonzero values (finer steps than a plain group, whose range
 // starts at 0). Rows are independent: work is split over rows (a row's codes are packed back to
-// back, so two groups of one row may share a byte). Three passes over a row: the mask and each
-// group's count and range, then (after the row offsets, a prefix sum over rows) the codes.
+// back, so two groups of one row may share a byte). Quantize takes one pass over a row, group
+// by group (the mask, the group's count and range, then its codes), into a scratch buffer; the
+// rows are copied out once the row offsets (a prefix sum over rows) are known.
 #include "kernels.h"
 #include "bf16_cpu.h"
 #include "codes_cpu.h"
@@ -95,15 +96,20 @@ AZ_INLINE void block_range(const float* __restrict v, int n16, float& mn, float&
   cnt = c;
 }
 
-// For each mask byte: the rank of each bit (set bits below it) and the number of set bits.
+// For each mask byte: the rank of each bit (set bits below it), the number of set bits and the
+// position of each set bit in order (select; 0 past the count). rank and select are the
+// shuffle controls that move codes between the positions and the packed order of the nonzeros.
 struct RankTable {
-  uint8_t r[256][8];
+  alignas(8) uint8_t r[256][8];
+  alignas(8) uint8_t select[256][8];
   uint8_t count[256];
   RankTable() {
     for (int b = 0; b < 256; ++b) {
       int c = 0;
       for (int j = 0; j < 8; ++j) {
         r[b][j] = static_cast<uint8_t>(c);
+        select[b][j] = 0;
+        if ((b >> j) & 1) select[b][c] = static_cast<uint8_t>(j);
         c += (b >> j) & 1;
       }
       count[b] = static_cast<uint8_t>(c);
@@ -111,6 +117,29 @@ struct RankTable {
   }
 };
 const RankTable kRank;
+
+// 16 bytes shuffled by a 16-byte control (out[i] = in[ctrl[i] & 15]): GCC's generic vector
+// shuffle, one pshufb where it is compiled for SSSE3 and up (run_fast's AVX2 copy), element by
+// element on the portable path -- the same bytes either way.
+typedef uint8_t Bytes16 __attribute__((vector_size(16)));
+typedef uint64_t Words2 __attribute__((vector_size(16)));
+
+AZ_INLINE Bytes16 load16(const uint8_t* p) {
+  Bytes16 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+
+AZ_INLINE Bytes16 control16(const uint8_t* lo8, const uint8_t* hi8, uint64_t hi_add) {
+  uint64_t a, b;
+  std::memcpy(&a, lo8, 8);
+  std::memcpy(&b, hi8, 8);
+  b += hi_add * 0x0101010101010101ull;  // no carries: every byte stays below 16
+  // Built in registers: two 8-byte stores read back as one 16-byte load would stall on store
+  // forwarding (most of the kernel's time when measured).
+  const Words2 v = {a, b};
+  return reinterpret_cast<Bytes16>(v);
+}
 
 template <int B>
 void pack_row(uint8_t* codes, int64_t count, uint8_t* out) {
@@ -122,21 +151,33 @@ void pack_row(uint8_t* codes, int64_t count, uint8_t* out) {
   }
 }
 
+// One pass over each row, group by group while the group is in cache: its range over the
+// nonzeros and their count (and the mask bytes when rows are whole bytes: mask != nullptr, else
+// sparse_mask wrote it), its metadata, then the codes of every position (quantize's codes), the
+// nonzeros' kept in order and packed into `scratch` at the row's bound (room for every position's
+// code). The rows are then copied to `data_out` back to back (offsets: a prefix sum of the packed
+// sizes), a copy of the compressed size only.
 template <typename T, bool kStochastic>
 void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size,
                           const uint8_t* bits, uint32_t key, uint16_t* lo, uint16_t* step,
                           int64_t* counts, at::Tensor& data_out, int64_t* offsets,
                           uint8_t* mask) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
-  // Pass 1: per group, the metadata; per row, the number of nonzeros; the mask too when rows
-  // are whole bytes (mask != nullptr; else sparse_mask wrote it).
+  std::vector<int64_t> bound(static_cast<size_t>(n_rows) + 1, 0);
+  for (int64_t n = 0; n < n_rows; ++n) bound[n + 1] = bound[n] + (d * bits[n] + 7) / 8;
+  std::vector<uint8_t> scratch(static_cast<size_t>(bound[n_rows]));
   at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
     run_fast([&] {
       alignas(64) float buf[kBlock];
+      alignas(64) int32_t codes[kBlock];
       alignas(64) uint8_t nz[kBlock];
+      alignas(64) uint8_t code8[kBlock + 16];  // + 16: a shuffle reads 16 bytes from k
+      std::vector<uint8_t> row(static_cast<size_t>(d) + 16);
       for (int64_t n = begin; n < end; ++n) {
-        const float levels = static_cast<float>((1 << bits[n]) - 1);
-        int64_t row_count = 0;
+        const int b = bits[n];
+        const float levels = static_cast<float>((1 << b) - 1);
+        uint8_t* r = row.data();
+        int64_t c = 0;  // nonzeros so far in the row: the next code's index
         for (int64_t g = 0; g < g_per_row; ++g) {
           const int64_t start = g * group_size;
           const int64_t len = std::min(group_size, d - start);
@@ -154,9 +195,8 @@ void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_s
               for (int j = 0; j < blk / 8; ++j) mb[j] = gather8(nz + 8 * j);
             }
           }
-          row_count += cnt;
           const int64_t id = n * g_per_row + g;
-          if (cnt == 0) {
+          if (cnt == 0) {  // no nonzero: no codes
             lo[id] = 0;
             step[id] = 0;
             continue;
@@ -164,8 +204,45 @@ void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_s
           const GroupMeta m = group_meta(mn, mx, bad == 0.0f, levels);
           lo[id] = m.lo;
           step[id] = m.step;
+          const float glo = bf16_value(m.lo);
+          const float gstep = bf16_value(m.step);
+          const float inv = gstep > 0.0f ? 1.0f / gstep : 0.0f;
+          for (int64_t e = 0; e < len; e += kBlock) {
+            const int blk = static_cast<int>(std::min<int64_t>(kBlock, len - e));
+            const int n16 = (blk + 15) & ~15;
+            if (len > kBlock) load_padded(x + n * d + start + e, blk, n16, buf);  // else loaded
+            if (m.bad) {  // NaN metadata: codes 0
+              std::fill(codes, codes + n16, 0);
+            } else {
+              code_block<kStochastic>(buf, n16, glo, inv, levels,
+                                      static_cast<uint64_t>(n * d + start + e), key, codes);
+            }
+            // Keep the nonzeros' codes in order, 8 positions at a time: one byte shuffle by
+            // the mask byte's select control moves its nonzeros' codes to the front, stored
+            // at c (the bytes after them are overwritten by the next store, or lie past the
+            // row's count, where pack_row ignores them).
+#pragma omp simd
+            for (int k = 0; k < n16; ++k) {
+              nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
+              code8[k] = static_cast<uint8_t>(codes[k]);
+            }
+            for (int k = 0; k < blk; k += 8) {
+              const uint32_t mb = gather8(nz + k);  // zero past blk: buf is zero-padded
+              const Bytes16 moved = __builtin_shuffle(
+                  load16(code8 + k), control16(kRank.select[mb], kRank.select[mb], 0));
+              std::memcpy(r + c, &moved, 8);
+              c += kRank.count[mb];
+            }
+          }
         }
-        counts[n] = row_count;
+        counts[n] = c;
+        uint8_t* out = scratch.data() + bound[n];
+        switch (b) {
+          case 1: pack_row<1>(r, c, out); break;
+          case 2: pack_row<2>(r, c, out); break;
+          case 4: pack_row<4>(r, c, out); break;
+          default: pack_row<8>(r, c, out); break;
+        }
       }
     });
   });
@@ -173,64 +250,11 @@ void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_s
   for (int64_t n = 0; n < n_rows; ++n) offsets[n + 1] = offsets[n] + (counts[n] * bits[n] + 7) / 8;
   data_out = at::empty({offsets[n_rows]}, at::TensorOptions().dtype(at::kByte));
   uint8_t* data = data_out.data_ptr<uint8_t>();
-  // Pass 2: codes of every position (quantize's codes), the nonzeros' kept in order, packed.
   at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
-    run_fast([&] {
-      alignas(64) float buf[kBlock];
-      alignas(64) int32_t codes[kBlock];
-      alignas(64) uint8_t nz[kBlock];
-      std::vector<uint8_t> row(static_cast<size_t>(d) + 16);
-      for (int64_t n = begin; n < end; ++n) {
-        const int b = bits[n];
-        const float levels = static_cast<float>((1 << b) - 1);
-        int64_t c = 0;  // code index within the row
-        for (int64_t g = 0; g < g_per_row; ++g) {
-          const int64_t id = n * g_per_row + g;
-          const float glo = bf16_value(lo[id]);
-          const float gstep = bf16_value(step[id]);
-          const bool bad = !(gstep == gstep);  // NaN metadata: codes 0
-          const float inv = gstep > 0.0f ? 1.0f / gstep : 0.0f;
-          const int64_t start = g * group_size;
-          const int64_t len = std::min(group_size, d - start);
-          for (int64_t e = 0; e < len; e += kBlock) {
-            const int blk = static_cast<int>(std::min<int64_t>(kBlock, len - e));
-            const int n16 = (blk + 15) & ~15;
-            load_padded(x + n * d + start + e, blk, n16, buf);
-            if (bad) {
-              std::fill(codes, codes + n16, 0);
-            } else {
-              code_block<kStochastic>(buf, n16, glo, inv, levels,
-                                      static_cast<uint64_t>(n * d + start + e), key, codes);
-            }
-            // Keep the nonzeros' codes in order, 8 positions at a time: each goes to c plus
-            // the rank of its bit in the byte (a table), so the stores do not wait on one
-            // another; a zero's code lands on the next nonzero's slot and is overwritten (or
-            // past the row's count, where pack_row ignores it).
-#pragma omp simd
-            for (int k = 0; k < n16; ++k) nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
-            uint8_t* r = row.data();
-            int k = 0;
-            for (; k + 8 <= blk; k += 8) {
-              const uint32_t mb = gather8(nz + k);
-              const uint8_t* rank = kRank.r[mb];
-              for (int j = 0; j < 8; ++j) r[c + rank[j]] = static_cast<uint8_t>(codes[k + j]);
-              c += kRank.count[mb];
-            }
-            for (; k < blk; ++k) {
-              r[c] = static_cast<uint8_t>(codes[k]);
-              c += nz[k];
-            }
-          }
-        }
-        uint8_t* out = data + offsets[n];
-        switch (b) {
-          case 1: pack_row<1>(row.data(), c, out); break;
-          case 2: pack_row<2>(row.data(), c, out); break;
-          case 4: pack_row<4>(row.data(), c, out); break;
-          default: pack_row<8>(row.data(), c, out); break;
-        }
-      }
-    });
+    for (int64_t n = begin; n < end; ++n) {
+      std::memcpy(data + offsets[n], scratch.data() + bound[n],
+                  static_cast<size_t>(offsets[n + 1] - offsets[n]));
+    }
   });
 }
 
@@ -267,19 +291,26 @@ void dequantize_sparse_impl(const uint8_t* data, const uint16_t* lo, const uint1
   const int64_t mask_bytes = (n_rows * d + 7) / 8;
   at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
     run_fast([&] {
-      std::vector<uint8_t> row(static_cast<size_t>(d) + 16);
-      alignas(64) float q[64];
-      alignas(64) uint32_t on[64];
-      alignas(64) float v[64];
-      for (int64_t n = begin; n < end; ++n) {
-        const int b = bits[n];
-        uint8_t* r = row.data();
-        switch (b) {
+      // Rows are unpacked one ahead, into two buffers: the shuffles' 16-byte loads would
+      // otherwise read bytes still in the store buffer from the unpacking (a store-forwarding
+      // stall on every load; most of the kernel's time when measured).
+      const size_t stride = static_cast<size_t>(d) + 64;
+      std::vector<uint8_t> rows(2 * stride);
+      auto unpack = [&](int64_t n) {
+        uint8_t* r = rows.data() + static_cast<size_t>(n & 1) * stride;
+        switch (bits[n]) {
           case 1: unpack_row<1>(data + offsets[n], counts[n], r); break;
           case 2: unpack_row<2>(data + offsets[n], counts[n], r); break;
           case 4: unpack_row<4>(data + offsets[n], counts[n], r); break;
           default: unpack_row<8>(data + offsets[n], counts[n], r); break;
         }
+      };
+      alignas(64) uint8_t q[64];
+      alignas(64) float v[64];
+      if (begin < end) unpack(begin);
+      for (int64_t n = begin; n < end; ++n) {
+        if (n + 1 < end) unpack(n + 1);
+        const uint8_t* r = rows.data() + static_cast<size_t>(n & 1) * stride;
         int64_t c = 0;
         for (int64_t g = 0; g < g_per_row; ++g) {
           const int64_t id = n * g_per_row + g;
@@ -290,41 +321,38 @@ void dequantize_sparse_impl(const uint8_t* data, const uint16_t* lo, const uint1
           for (int64_t e = 0; e < len; e += 64) {
             const int blk = static_cast<int>(std::min<int64_t>(64, len - e));
             const int64_t i0 = n * d + start + e;
-            const uint64_t w = mask_word(mask, mask_bytes, i0);
-            // Two steps, so that the arithmetic runs on vectors: (1) each position's code and
-            // an all-ones / all-zeros word from its mask bit; whole bytes of the mask give each
-            // position's code index as c plus the rank of its bit in the byte (a table), so the
-            // 8 loads do not wait on each other (a clear bit reads a code it will drop). (2)
-            // lo + code * step, branch-free: a clear bit selects +0.0 by masking the value's
-            // bits (the bits are random, a branch would mispredict half the time).
-            int k = 0;
-            for (; k + 8 <= blk; k += 8) {
-              const uint32_t mb = static_cast<uint32_t>(w >> k) & 0xFFu;
-              const uint8_t* rank = kRank.r[mb];
-              for (int j = 0; j < 8; ++j) {
-                q[k + j] = static_cast<float>(r[c + rank[j]]);
-                on[k + j] = 0u - ((mb >> j) & 1u);
-              }
-              c += kRank.count[mb];
+            uint64_t w = mask_word(mask, mask_bytes, i0);
+            if (blk < 64) w &= (uint64_t{1} << blk) - 1u;  // the next group's bits
+            // Two steps, so that the arithmetic runs on vectors: (1) 16 positions at a time,
+            // one byte shuffle moves the codes of their nonzeros (in order from c) to the
+            // positions, its control the ranks of the two mask bytes' bits (a clear bit picks a
+            // code it then drops); (2) lo + code * step, branch-free: a clear bit selects +0.0
+            // by masking the value's bits with 0 - bit (the bits are random, a branch would
+            // mispredict half the time).
+            for (int k = 0; k < blk; k += 16) {
+              const uint32_t mb0 = static_cast<uint32_t>(w >> k) & 0xFFu;
+              const uint32_t mb1 = static_cast<uint32_t>(w >> (k + 8)) & 0xFFu;
+              const uint32_t c0 = kRank.count[mb0];
+              const Bytes16 codes =
+                  __builtin_shuffle(load16(r + c), control16(kRank.r[mb0], kRank.r[mb1], c0));
+              std::memcpy(q + k, &codes, 16);
+              c += c0 + kRank.count[mb1];
             }
-            for (; k < blk; ++k) {
-              const uint32_t bit = static_cast<uint32_t>(w >> k) & 1u;
-              q[k] = static_cast<float>(r[c]);
-              on[k] = 0u - bit;
-              c += bit;
-            }
+            const uint32_t w_lo = static_cast<uint32_t>(w), w_hi = static_cast<uint32_t>(w >> 32);
             TO* o = out + i0;
             if constexpr (std::is_same<TO, float>::value) {
 #pragma omp simd
               for (int t = 0; t < blk; ++t) {
-                const float s = q[t] * gstep;
-                o[t] = bits_float(float_bits(s + glo) & on[t]);
+                const uint32_t on = 0u - (((t < 32 ? w_lo : w_hi) >> (t & 31)) & 1u);
+                const float s = static_cast<float>(q[t]) * gstep;
+                o[t] = bits_float(float_bits(s + glo) & on);
               }
             } else {
 #pragma omp simd
               for (int t = 0; t < blk; ++t) {
-                const float s = q[t] * gstep;
-                v[t] = bits_float(float_bits(s + glo) & on[t]);
+                const uint32_t on = 0u - (((t < 32 ? w_lo : w_hi) >> (t & 31)) & 1u);
+                const float s = static_cast<float>(q[t]) * gstep;
+                v[t] = bits_float(float_bits(s + glo) & on);
               }
               for (int t = 0; t < blk; ++t) o[t] = from_float<TO>(v[t]);
             }
@@ -443,8 +471,10 @@ at::Tensor dequantize_sparse(const at::Tensor& data, const at::Tensor& lo, const
   const uint8_t* b = bits.data_ptr<uint8_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   std::vector<int64_t> counts(static_cast<size_t>(n_rows));
+  at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) counts[n] = count_bits(m, n * d, (n + 1) * d);
+  });
   for (int64_t n = 0; n < n_rows; ++n) {
-    counts[n] = count_bits(m, n * d, (n + 1) * d);
     const int64_t need = (counts[n] * b[n] + 7) / 8;
     TORCH_CHECK_VALUE(off[n] >= 0 && off[n] <= data.numel() - need, "row ", n, " (", need,
                       " bytes at offset ", off[n], ") does not fit in data (", data.numel(),

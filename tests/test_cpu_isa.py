@@ -4,8 +4,8 @@ A portable build runs its hot loops through an AVX2 copy when the CPU has AVX2; 
 choice is made once, so the portable path is run in a child process with
 ACTNN_ZOO_CPU_ISA=baseline and its outputs compared with this process's, bit for bit: codes,
 metadata and decoded values at every width and dtype, per-sample widths, zero-exact codes, the
-fused mask backward, the packed comparisons, the actnn strategy's range statistic and
-DIVISION's kernels, on odd sizes (tails shorter than a vector).
+fused mask backward, sparse codes (byte shuffles), the packed comparisons, the actnn strategy's
+range statistic and DIVISION's kernels, on odd sizes (tails shorter than a vector).
 """
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def outputs():
         out[f"{dtype}-mask"] = (packed, Q.pack_compare(x, "between", -1.0, 1.0),
                                 masked_grad(grad, packed), masked_grad(grad, packed, 2.0, 0.0))
         out[f"{dtype}-range"] = (_C.range_statistic(x.reshape(5, -1), 64),)
+        for bits in (2, torch.tensor([1, 2, 4, 8, 2], dtype=torch.uint8)):
+            s = Q.quantize_sparse(r, bits, 64, seed=7)  # byte shuffles on both paths
+            out[f"{dtype}-sparse-{bits}"] = (s.data, s.lo, s.step, s.mask,
+                                            Q.dequantize_sparse(s))
         maps = (torch.randn(3, 5, 19, 13, generator=g) * 2).to(dtype)
         d = division_quantize(maps, 2, 8, seed=9)
         out[f"{dtype}-division"] = (d.data, d.low, d.lo, d.step, division_dequantize(d))
