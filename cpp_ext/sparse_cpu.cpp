@@ -13,6 +13,7 @@
 #include "codes_cpu.h"
 #include "isa_cpu.h"
 #include "pages_cpu.h"
+#include "tasks_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -166,85 +167,83 @@ void quantize_sparse_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_s
   std::vector<int64_t> bound(static_cast<size_t>(n_rows) + 1, 0);
   for (int64_t n = 0; n < n_rows; ++n) bound[n + 1] = bound[n] + (d * bits[n] + 7) / 8;
   std::vector<uint8_t> scratch(static_cast<size_t>(bound[n_rows]));
-  at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
-    run_fast([&] {
-      alignas(64) float buf[kBlock];
-      alignas(64) int32_t codes[kBlock];
-      alignas(64) uint8_t nz[kBlock];
-      alignas(64) uint8_t code8[kBlock + 16];  // + 16: a shuffle reads 16 bytes from k
-      std::vector<uint8_t> row(static_cast<size_t>(d) + 16);
-      for (int64_t n = begin; n < end; ++n) {
-        const int b = bits[n];
-        const float levels = static_cast<float>((1 << b) - 1);
-        uint8_t* r = row.data();
-        int64_t c = 0;  // nonzeros so far in the row: the next code's index
-        for (int64_t g = 0; g < g_per_row; ++g) {
-          const int64_t start = g * group_size;
-          const int64_t len = std::min(group_size, d - start);
-          float mn = INFINITY, mx = -INFINITY, bad = 0.0f;
-          int32_t cnt = 0;
-          for (int64_t e = 0; e < len; e += kBlock) {
-            const int blk = static_cast<int>(std::min<int64_t>(kBlock, len - e));
-            const int n16 = (blk + 15) & ~15;
-            load_padded(x + n * d + start + e, blk, n16, buf);
-            block_range(buf, n16, mn, mx, bad, cnt);
-            if (mask != nullptr) {  // rows of whole bytes: this block's mask bytes are its own
+  parallel_tasks(n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[kBlock];
+    alignas(64) int32_t codes[kBlock];
+    alignas(64) uint8_t nz[kBlock];
+    alignas(64) uint8_t code8[kBlock + 16];  // + 16: a shuffle reads 16 bytes from k
+    std::vector<uint8_t> row(static_cast<size_t>(d) + 16);
+    for (int64_t n = begin; n < end; ++n) {
+      const int b = bits[n];
+      const float levels = static_cast<float>((1 << b) - 1);
+      uint8_t* r = row.data();
+      int64_t c = 0;  // nonzeros so far in the row: the next code's index
+      for (int64_t g = 0; g < g_per_row; ++g) {
+        const int64_t start = g * group_size;
+        const int64_t len = std::min(group_size, d - start);
+        float mn = INFINITY, mx = -INFINITY, bad = 0.0f;
+        int32_t cnt = 0;
+        for (int64_t e = 0; e < len; e += kBlock) {
+          const int blk = static_cast<int>(std::min<int64_t>(kBlock, len - e));
+          const int n16 = (blk + 15) & ~15;
+          load_padded(x + n * d + start + e, blk, n16, buf);
+          block_range(buf, n16, mn, mx, bad, cnt);
+          if (mask != nullptr) {  // rows of whole bytes: this block's mask bytes are its own
 #pragma omp simd
-              for (int k = 0; k < n16; ++k) nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
-              uint8_t* mb = mask + ((n * d + start + e) >> 3);
-              for (int j = 0; j < blk / 8; ++j) mb[j] = gather8(nz + 8 * j);
-            }
-          }
-          const int64_t id = n * g_per_row + g;
-          if (cnt == 0) {  // no nonzero: no codes
-            lo[id] = 0;
-            step[id] = 0;
-            continue;
-          }
-          const GroupMeta m = group_meta(mn, mx, bad == 0.0f, levels);
-          lo[id] = m.lo;
-          step[id] = m.step;
-          const float glo = bf16_value(m.lo);
-          const float gstep = bf16_value(m.step);
-          const float inv = gstep > 0.0f ? 1.0f / gstep : 0.0f;
-          for (int64_t e = 0; e < len; e += kBlock) {
-            const int blk = static_cast<int>(std::min<int64_t>(kBlock, len - e));
-            const int n16 = (blk + 15) & ~15;
-            if (len > kBlock) load_padded(x + n * d + start + e, blk, n16, buf);  // else loaded
-            if (m.bad) {  // NaN metadata: codes 0
-              std::fill(codes, codes + n16, 0);
-            } else {
-              code_block<kStochastic>(buf, n16, glo, inv, levels,
-                                      static_cast<uint64_t>(n * d + start + e), key, codes);
-            }
-            // Keep the nonzeros' codes in order, 8 positions at a time: one byte shuffle by
-            // the mask byte's select control moves its nonzeros' codes to the front, stored
-            // at c (the bytes after them are overwritten by the next store, or lie past the
-            // row's count, where pack_row ignores them).
-#pragma omp simd
-            for (int k = 0; k < n16; ++k) {
-              nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
-              code8[k] = static_cast<uint8_t>(codes[k]);
-            }
-            for (int k = 0; k < blk; k += 8) {
-              const uint32_t mb = gather8(nz + k);  // zero past blk: buf is zero-padded
-              const Bytes16 moved = __builtin_shuffle(
-                  load16(code8 + k), control16(kRank.select[mb], kRank.select[mb], 0));
-              std::memcpy(r + c, &moved, 8);
-              c += kRank.count[mb];
-            }
+            for (int k = 0; k < n16; ++k) nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
+            uint8_t* mb = mask + ((n * d + start + e) >> 3);
+            for (int j = 0; j < blk / 8; ++j) mb[j] = gather8(nz + 8 * j);
           }
         }
-        counts[n] = c;
-        uint8_t* out = scratch.data() + bound[n];
-        switch (b) {
-          case 1: pack_row<1>(r, c, out); break;
-          case 2: pack_row<2>(r, c, out); break;
-          case 4: pack_row<4>(r, c, out); break;
-          default: pack_row<8>(r, c, out); break;
+        const int64_t id = n * g_per_row + g;
+        if (cnt == 0) {  // no nonzero: no codes
+          lo[id] = 0;
+          step[id] = 0;
+          continue;
+        }
+        const GroupMeta m = group_meta(mn, mx, bad == 0.0f, levels);
+        lo[id] = m.lo;
+        step[id] = m.step;
+        const float glo = bf16_value(m.lo);
+        const float gstep = bf16_value(m.step);
+        const float inv = gstep > 0.0f ? 1.0f / gstep : 0.0f;
+        for (int64_t e = 0; e < len; e += kBlock) {
+          const int blk = static_cast<int>(std::min<int64_t>(kBlock, len - e));
+          const int n16 = (blk + 15) & ~15;
+          if (len > kBlock) load_padded(x + n * d + start + e, blk, n16, buf);  // else loaded
+          if (m.bad) {  // NaN metadata: codes 0
+            std::fill(codes, codes + n16, 0);
+          } else {
+            code_block<kStochastic>(buf, n16, glo, inv, levels,
+                                    static_cast<uint64_t>(n * d + start + e), key, codes);
+          }
+          // Keep the nonzeros' codes in order, 8 positions at a time: one byte shuffle by
+          // the mask byte's select control moves its nonzeros' codes to the front, stored
+          // at c (the bytes after them are overwritten by the next store, or lie past the
+          // row's count, where pack_row ignores them).
+#pragma omp simd
+          for (int k = 0; k < n16; ++k) {
+            nz[k] = static_cast<uint8_t>(buf[k] != 0.0f);
+            code8[k] = static_cast<uint8_t>(codes[k]);
+          }
+          for (int k = 0; k < blk; k += 8) {
+            const uint32_t mb = gather8(nz + k);  // zero past blk: buf is zero-padded
+            const Bytes16 moved = __builtin_shuffle(
+                load16(code8 + k), control16(kRank.select[mb], kRank.select[mb], 0));
+            std::memcpy(r + c, &moved, 8);
+            c += kRank.count[mb];
+          }
         }
       }
-    });
+      counts[n] = c;
+      uint8_t* out = scratch.data() + bound[n];
+      switch (b) {
+        case 1: pack_row<1>(r, c, out); break;
+        case 2: pack_row<2>(r, c, out); break;
+        case 4: pack_row<4>(r, c, out); break;
+        default: pack_row<8>(r, c, out); break;
+      }
+    }
   });
   offsets[0] = 0;
   for (int64_t n = 0; n < n_rows; ++n) offsets[n + 1] = offsets[n] + (counts[n] * bits[n] + 7) / 8;
@@ -289,77 +288,66 @@ void dequantize_sparse_impl(const uint8_t* data, const uint16_t* lo, const uint1
                             TO* out) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   const int64_t mask_bytes = (n_rows * d + 7) / 8;
-  at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
-    run_fast([&] {
-      // Rows are unpacked one ahead, into two buffers: the shuffles' 16-byte loads would
-      // otherwise read bytes still in the store buffer from the unpacking (a store-forwarding
-      // stall on every load; most of the kernel's time when measured).
-      const size_t stride = static_cast<size_t>(d) + 64;
-      std::vector<uint8_t> rows(2 * stride);
-      auto unpack = [&](int64_t n) {
-        uint8_t* r = rows.data() + static_cast<size_t>(n & 1) * stride;
-        switch (bits[n]) {
-          case 1: unpack_row<1>(data + offsets[n], counts[n], r); break;
-          case 2: unpack_row<2>(data + offsets[n], counts[n], r); break;
-          case 4: unpack_row<4>(data + offsets[n], counts[n], r); break;
-          default: unpack_row<8>(data + offsets[n], counts[n], r); break;
-        }
-      };
-      alignas(64) uint8_t q[64];
-      alignas(64) float v[64];
-      if (begin < end) unpack(begin);
-      for (int64_t n = begin; n < end; ++n) {
-        if (n + 1 < end) unpack(n + 1);
-        const uint8_t* r = rows.data() + static_cast<size_t>(n & 1) * stride;
-        int64_t c = 0;
-        for (int64_t g = 0; g < g_per_row; ++g) {
-          const int64_t id = n * g_per_row + g;
-          const float glo = bf16_value(lo[id]);
-          const float gstep = bf16_value(step[id]);
-          const int64_t start = g * group_size;
-          const int64_t len = std::min(group_size, d - start);
-          for (int64_t e = 0; e < len; e += 64) {
-            const int blk = static_cast<int>(std::min<int64_t>(64, len - e));
-            const int64_t i0 = n * d + start + e;
-            uint64_t w = mask_word(mask, mask_bytes, i0);
-            if (blk < 64) w &= (uint64_t{1} << blk) - 1u;  // the next group's bits
-            // Two steps, so that the arithmetic runs on vectors: (1) 16 positions at a time,
-            // one byte shuffle moves the codes of their nonzeros (in order from c) to the
-            // positions, its control the ranks of the two mask bytes' bits (a clear bit picks a
-            // code it then drops); (2) lo + code * step, branch-free: a clear bit selects +0.0
-            // by masking the value's bits with 0 - bit (the bits are random, a branch would
-            // mispredict half the time).
-            for (int k = 0; k < blk; k += 16) {
-              const uint32_t mb0 = static_cast<uint32_t>(w >> k) & 0xFFu;
-              const uint32_t mb1 = static_cast<uint32_t>(w >> (k + 8)) & 0xFFu;
-              const uint32_t c0 = kRank.count[mb0];
-              const Bytes16 codes =
-                  __builtin_shuffle(load16(r + c), control16(kRank.r[mb0], kRank.r[mb1], c0));
-              std::memcpy(q + k, &codes, 16);
-              c += c0 + kRank.count[mb1];
-            }
-            const uint32_t w_lo = static_cast<uint32_t>(w), w_hi = static_cast<uint32_t>(w >> 32);
-            TO* o = out + i0;
-            if constexpr (std::is_same<TO, float>::value) {
+  parallel_tasks(n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row(static_cast<size_t>(d) + 16);
+    alignas(64) uint8_t q[64];
+    alignas(64) float v[64];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* r = row.data();
+      switch (bits[n]) {
+        case 1: unpack_row<1>(data + offsets[n], counts[n], row.data()); break;
+        case 2: unpack_row<2>(data + offsets[n], counts[n], row.data()); break;
+        case 4: unpack_row<4>(data + offsets[n], counts[n], row.data()); break;
+        default: unpack_row<8>(data + offsets[n], counts[n], row.data()); break;
+      }
+      int64_t c = 0;
+      for (int64_t g = 0; g < g_per_row; ++g) {
+        const int64_t id = n * g_per_row + g;
+        const float glo = bf16_value(lo[id]);
+        const float gstep = bf16_value(step[id]);
+        const int64_t start = g * group_size;
+        const int64_t len = std::min(group_size, d - start);
+        for (int64_t e = 0; e < len; e += 64) {
+          const int blk = static_cast<int>(std::min<int64_t>(64, len - e));
+          const int64_t i0 = n * d + start + e;
+          uint64_t w = mask_word(mask, mask_bytes, i0);
+          if (blk < 64) w &= (uint64_t{1} << blk) - 1u;  // the next group's bits
+          // Two steps, so that the arithmetic runs on vectors: (1) 16 positions at a time,
+          // one byte shuffle moves the codes of their nonzeros (in order from c) to the
+          // positions, its control the ranks of the two mask bytes' bits (a clear bit picks a
+          // code it then drops); (2) lo + code * step, branch-free: a clear bit selects +0.0
+          // by masking the value's bits with 0 - bit (the bits are random, a branch would
+          // mispredict half the time).
+          for (int k = 0; k < blk; k += 16) {
+            const uint32_t mb0 = static_cast<uint32_t>(w >> k) & 0xFFu;
+            const uint32_t mb1 = static_cast<uint32_t>(w >> (k + 8)) & 0xFFu;
+            const uint32_t c0 = kRank.count[mb0];
+            const Bytes16 codes =
+                __builtin_shuffle(load16(r + c), control16(kRank.r[mb0], kRank.r[mb1], c0));
+            std::memcpy(q + k, &codes, 16);
+            c += c0 + kRank.count[mb1];
+          }
+          const uint32_t w_lo = static_cast<uint32_t>(w), w_hi = static_cast<uint32_t>(w >> 32);
+          TO* o = out + i0;
+          if constexpr (std::is_same<TO, float>::value) {
 #pragma omp simd
-              for (int t = 0; t < blk; ++t) {
-                const uint32_t on = 0u - (((t < 32 ? w_lo : w_hi) >> (t & 31)) & 1u);
-                const float s = static_cast<float>(q[t]) * gstep;
-                o[t] = bits_float(float_bits(s + glo) & on);
-              }
-            } else {
-#pragma omp simd
-              for (int t = 0; t < blk; ++t) {
-                const uint32_t on = 0u - (((t < 32 ? w_lo : w_hi) >> (t & 31)) & 1u);
-                const float s = static_cast<float>(q[t]) * gstep;
-                v[t] = bits_float(float_bits(s + glo) & on);
-              }
-              for (int t = 0; t < blk; ++t) o[t] = from_float<TO>(v[t]);
+            for (int t = 0; t < blk; ++t) {
+              const uint32_t on = 0u - (((t < 32 ? w_lo : w_hi) >> (t & 31)) & 1u);
+              const float s = static_cast<float>(q[t]) * gstep;
+              o[t] = bits_float(float_bits(s + glo) & on);
             }
+          } else {
+#pragma omp simd
+            for (int t = 0; t < blk; ++t) {
+              const uint32_t on = 0u - (((t < 32 ? w_lo : w_hi) >> (t & 31)) & 1u);
+              const float s = static_cast<float>(q[t]) * gstep;
+              v[t] = bits_float(float_bits(s + glo) & on);
+            }
+            for (int t = 0; t < blk; ++t) o[t] = from_float<TO>(v[t]);
           }
         }
       }
-    });
+    }
   });
 }
 
