@@ -59,6 +59,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
   no_kernel("quantize", x2d);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine(
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale,
+    const at::Tensor& bits, const at::Tensor& offsets, int64_t total, int64_t group_size,
+    int64_t seed, bool stochastic) {
+  RECORD_USER_SCOPE("actnn_zoo::quantize");
+  check_same_device(x2d, "x2d", {{&bits, "bits"}, {&offsets, "offsets"}});
+  if (x2d.device().is_cpu()) {
+    return actnn_zoo::quantize_affine_cpu(x2d, shift, scale, bits, offsets, total, group_size,
+                                          seed, stochastic);
+  }
+  TORCH_CHECK(false, "actnn_zoo._C.quantize_affine: CPU only (got a tensor on ", x2d.device(),
+              "); quantize the mapped tensor instead");
+}
+
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                       const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                       at::Tensor out) {
@@ -221,6 +235,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(N, D) contiguous float32/float16/bfloat16 -> (packed uint8 data [total], lo bf16 "
         "(N, G), step bf16 (N, G)); bits (N,) uint8, offsets (N + 1,) int64. zero_exact: "
         "groups whose minimum is 0 get an exact zero code (step stored negative).");
+  m.def("quantize_affine", &quantize_affine, nogil, py::arg("x2d"), py::arg("shift"),
+        py::arg("scale"), py::arg("bits"), py::arg("offsets"), py::arg("total"),
+        py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
+        "quantize of (x2d - shift) * scale (float32, per position of a row: shift and scale "
+        "(D,) float32) without making it: the codes quantize gives that tensor. CPU only.");
   m.def("dequantize", &dequantize, nogil, py::arg("data"), py::arg("lo"), py::arg("step"),
         py::arg("bits"), py::arg("offsets"), py::arg("group_size"), py::arg("out"),
         "Writes lo + q * step (float32 arithmetic) into out (N, D), contiguous, and returns it.");

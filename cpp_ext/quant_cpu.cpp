@@ -122,6 +122,35 @@ AZ_INLINE const float* padded_block(const T* x, int n, int n16, float* __restric
   return buf;
 }
 
+// The block quantize_group codes: padded_block of x, or with a per-position affine map
+// (kAffine: (x - shift[k]) * scale[k] in float32, two roundings, as torch computes a normalized
+// copy (x - mean) * invstd) applied on the way, so the mapped tensor never exists whole.
+struct Affine {
+  const float* shift = nullptr;  // (D,) per position of a row; null: no map
+  const float* scale = nullptr;
+};
+
+template <typename T, bool kAffine>
+AZ_INLINE const float* group_block(const T* x, const Affine& a, int64_t pos, int n, int n16,
+                                   float* __restrict buf) {
+  if constexpr (!kAffine) {
+    return padded_block(x, n, n16, buf);
+  } else {
+    const float* __restrict sh = a.shift + pos;
+    const float* __restrict sc = a.scale + pos;
+    if constexpr (std::is_same<T, float>::value) {
+#pragma omp simd
+      for (int k = 0; k < n; ++k) buf[k] = (x[k] - sh[k]) * sc[k];
+    } else {
+      load_block(x, n, buf);
+#pragma omp simd
+      for (int k = 0; k < n; ++k) buf[k] = (buf[k] - sh[k]) * sc[k];
+    }
+    for (int k = n; k < n16; ++k) buf[k] = buf[0];
+    return buf;
+  }
+}
+
 // The smallest positive value of n floats (INFINITY when none; NaN is never selected).
 AZ_INLINE float positive_min(const float* __restrict v, int n, float pm) {
 #pragma omp simd reduction(min : pm)
@@ -135,9 +164,10 @@ AZ_INLINE float positive_min(const float* __restrict v, int n, float pm) {
 // One group of len values (len > 0) at element index i0; writes ceil(len * B / 8) bytes.
 // `zero`: a group whose minimum is 0 gets the zero-exact levels of
 // reference.zero_exact_codes (step stored with its sign bit set), a bad group codes x != 0.
-template <typename T, int B, bool kStochastic>
+template <typename T, int B, bool kStochastic, bool kAffine>
 void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
-                    uint16_t* lo_out, uint16_t* step_out, bool zero) {
+                    uint16_t* lo_out, uint16_t* step_out, bool zero, const Affine& a,
+                    int64_t pos) {
   alignas(64) float buf[kBlock];
   const bool zmode = zero && B >= 2;
   // Pass 1: the range (and the smallest positive value for zero-exact groups).
@@ -146,7 +176,7 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
   for (int64_t e = 0; e < len; e += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
     const int n16 = (n + 15) & ~15;
-    const float* v = padded_block(x + e, n, n16, buf);
+    const float* v = group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
     range_update(v, n16, r);
     if (zmode) pmin = positive_min(v, n16, pmin);
   }
@@ -170,7 +200,7 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
     for (int64_t e = 0; e < len; e += kBlock) {  // zero-exact: code 0 exactly at zeros
       const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
       const int n16 = (n + 15) & ~15;
-      const float* v = padded_block(x + e, n, n16, buf);
+      const float* v = group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
       for (int k = 0; k < n16; ++k) codes[k] = v[k] != 0.0f ? 1 : 0;
       std::memset(codes + n, 0, 8);
       pack_block<B>(codes, (n * B + 7) / 8, out + e * B / 8);
@@ -185,7 +215,7 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
   for (int64_t e = 0; e < len; e += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
     const int n16 = (n + 15) & ~15;
-    const float* v = padded_block(x + e, n, n16, buf);
+    const float* v = group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
     code_block<kStochastic>(v, n16, lo, inv, levels, i0 + static_cast<uint64_t>(e), key,
                             codes32);
     if (zg) {
@@ -202,14 +232,14 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
   }
 }
 
-template <typename T, bool kStochastic>
+template <typename T, bool kStochastic, bool kAffine>
 void quantize_group_any(int b, const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
-                        uint16_t* lo, uint16_t* step, bool zero) {
+                        uint16_t* lo, uint16_t* step, bool zero, const Affine& a, int64_t pos) {
   switch (b) {
-    case 1: quantize_group<T, 1, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
-    case 2: quantize_group<T, 2, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
-    case 4: quantize_group<T, 4, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
-    default: quantize_group<T, 8, kStochastic>(x, len, i0, key, out, lo, step, zero); break;
+    case 1: quantize_group<T, 1, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
+    case 2: quantize_group<T, 2, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
+    case 4: quantize_group<T, 4, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
+    default: quantize_group<T, 8, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
   }
 }
 
@@ -218,10 +248,10 @@ inline int64_t group_grain(int64_t group_size) {
   return std::max<int64_t>(1, (int64_t{1} << 15) / group_size);
 }
 
-template <typename T, bool kStochastic>
+template <typename T, bool kStochastic, bool kAffine>
 void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, const uint8_t* bits,
                    const int64_t* offsets, uint32_t key, uint8_t* data, uint16_t* lo,
-                   uint16_t* step, bool zero) {
+                   uint16_t* step, bool zero, const Affine& a) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   parallel_tasks(n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
     for (int64_t id = begin; id < end; ++id) {
@@ -230,9 +260,9 @@ void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, co
       const int b = bits[n];
       const int64_t start = g * group_size;
       const int64_t len = std::min(group_size, d - start);
-      quantize_group_any<T, kStochastic>(
+      quantize_group_any<T, kStochastic, kAffine>(
           b, x + n * d + start, len, static_cast<uint64_t>(n * d + start), key,
-          data + offsets[n] + start * b / 8, lo + id, step + id, zero);
+          data + offsets[n] + start * b / 8, lo + id, step + id, zero, a, start);
     }
   });
 }
@@ -447,9 +477,11 @@ bool is_float_type(at::ScalarType t) {
 // ---------------------------------------------------------------------------------------------
 // The kernel interface (kernels.h)
 // ---------------------------------------------------------------------------------------------
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact) {
+    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact, const Affine& affine) {
   check_cpu(x2d, "x2d");
   TORCH_CHECK(is_float_type(x2d.scalar_type()),
               "x2d must be float32, float16 or bfloat16, got ", x2d.scalar_type());
@@ -485,12 +517,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* x = x2d.data_ptr<T>();
-    if (stochastic) {
-      quantize_impl<T, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
-                             zero_exact);
+    const bool mapped = affine.shift != nullptr;
+    if (stochastic && mapped) {
+      quantize_impl<T, true, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
+                                   zero_exact, affine);
+    } else if (stochastic) {
+      quantize_impl<T, true, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
+                                    zero_exact, affine);
+    } else if (mapped) {
+      quantize_impl<T, false, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
+                                    zero_exact, affine);
     } else {
-      quantize_impl<T, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
-                              zero_exact);
+      quantize_impl<T, false, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
+                                     zero_exact, affine);
     }
   };
   switch (x2d.scalar_type()) {
@@ -499,6 +538,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     default: run(c10::BFloat16{}); break;
   }
   return {data, lo, step};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
+    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact) {
+  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, zero_exact,
+                           Affine{});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale,
+    const at::Tensor& bits, const at::Tensor& offsets, int64_t total, int64_t group_size,
+    int64_t seed, bool stochastic) {
+  const int64_t d = x2d.dim() == 2 ? x2d.size(1) : -1;
+  for (const at::Tensor* t : {&shift, &scale}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 1 &&
+                          t->size(0) == d && t->is_contiguous(),
+                      "shift and scale must be contiguous float32 CPU tensors of shape (", d,
+                      ",) (one value per position of a row)");
+  }
+  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, false,
+                           Affine{shift.data_ptr<float>(), scale.data_ptr<float>()});
 }
 
 at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,

@@ -50,8 +50,11 @@ VARIANTS = {  # name -> convert_model overrides (None: the torch layer)
 }
 
 
-def step_fn(layer: str, overrides) -> Callable[[], None]:
+def step_fn(layer: str, overrides, batch: int = 0) -> Callable[[], None]:
+    """``batch`` > 0 replaces the input's batch size (0: the fixed-cost shape above)."""
     make, shape = LAYERS[layer]
+    if batch > 0:
+        shape = (batch,) + tuple(shape[1:])
     torch.manual_seed(0)
     model = nn.Sequential(make()).train()
     if overrides is not None:
@@ -69,7 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=300, help="timed calls per variant")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--stat", choices=("min", "median"), default="min")
+    p.add_argument("--batch", type=int, default=0,
+                   help="input batch size (default: 1, 2 for batch norm): a larger one times "
+                        "the layer's arithmetic too, e.g. --layers bn --batch 512")
     args = p.parse_args(argv)
+    if args.batch < 0:
+        p.error(f"--batch must be >= 0, got {args.batch}")
     torch.set_num_threads(1)
     names = [s.strip() for s in args.layers.split(",") if s.strip()]
     unknown = [n for n in names if n not in LAYERS]
@@ -77,12 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown layer(s) {unknown}; known: {', '.join(LAYERS)}")
     stat = min if args.stat == "min" else statistics.median
     print(f"torch {torch.__version__}, 1 thread, thread CPU time, {args.stat} microseconds per "
-          f"forward + backward call ({args.calls} calls per variant, {args.rounds} rounds)")
+          f"forward + backward call ({args.calls} calls per variant, {args.rounds} rounds"
+          f"{f', batch {args.batch}' if args.batch else ''})")
     head = f"{'layer':10s}" + "".join(f" | {v:>21s}" for v in VARIANTS)
     print(head)
     print("-" * len(head))
     for name in names:
-        steps = {v: step_fn(name, o) for v, o in VARIANTS.items()}
+        steps = {v: step_fn(name, o, args.batch) for v, o in VARIANTS.items()}
         times = interleaved_step_times(steps, n=args.calls, warmup=20, rounds=args.rounds,
                                        clock=time.thread_time)
         med = {v: stat(t) * 1e6 for v, t in times.items()}

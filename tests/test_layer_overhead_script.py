@@ -37,3 +37,21 @@ def test_unknown_layer_is_named(capsys):
         _script().main(["--layers", "conv,attention"])
     err = capsys.readouterr().err
     assert "attention" in err and "conv" in err.split("known:")[1]
+
+
+def test_batch_option_sets_the_input_batch(capsys, monkeypatch):
+    mod = _script()
+    shapes = []
+    real = mod.torch.randn
+
+    def recording(*shape, **kw):
+        shapes.append(tuple(shape[0]) if len(shape) == 1 else shape)
+        return real(*shape, **kw)
+
+    monkeypatch.setattr(mod.torch, "randn", recording)
+    assert mod.main(["--layers", "bn", "--calls", "2", "--rounds", "1", "--batch", "3"]) == 0
+    assert "batch 3" in capsys.readouterr().out
+    assert shapes and all(s == (3, 16, 8, 8) for s in shapes)
+    with pytest.raises(SystemExit):
+        mod.main(["--batch", "-1"])
+    assert "--batch" in capsys.readouterr().err

@@ -224,6 +224,59 @@ def _empty_codes(n: int, d: int, group_size: int, device: torch.device
     return torch.empty(0, dtype=torch.uint8, device=device), lo, torch.empty_like(lo)
 
 
+def has_normalized_kernel(device: torch.device) -> bool:
+    """Whether :func:`quantize_normalized` runs fused on ``device`` (the compiled CPU kernel);
+    elsewhere it makes the normalized copy and quantizes that."""
+    return device.type == "cpu" and getattr(kernels(device), "quantize_affine", None) is not None
+
+
+def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
+                        group_size: int = 256, seed: Optional[int] = None,
+                        rounding: str = "stochastic", validate: Optional[bool] = None
+                        ) -> QuantizedTensor:
+    """``quantize((x - mean) * invstd, ...)`` for an (N, C, *spatial) ``x`` and per-channel
+    (dim 1, C values) ``mean`` and ``invstd``: the normalized copy in float32, computed as
+    torch computes it (subtract, then multiply, each rounded), so the result is bit for bit what
+    :func:`quantize` gives that copy with the same seed (a float32 :class:`QuantizedTensor`).
+    With the compiled CPU kernel (:func:`has_normalized_kernel`) the copy is never made: each
+    group is normalized on the way into the quantizer. Why: a batch norm saves its normalized
+    input (``functional/norm.py``), and making the copy took two passes over the map before the
+    quantizer's, as long as the batch norm itself (docs/design.md, "The step's time").
+    ``x`` must be contiguous; float32, float16 or bfloat16."""
+    group_size, seed = check_quantize_args(x, group_size, rounding, seed)
+    if x.dim() < 2 or not x.is_contiguous():
+        raise ValueError(f"quantize_normalized needs a contiguous (N, C, ...) tensor, got "
+                         f"shape {tuple(x.shape)}, strides {x.stride()}")
+    c = x.shape[1]
+    if mean.numel() != c or invstd.numel() != c:
+        raise ValueError(f"mean and invstd need one value per channel ({c}), got "
+                         f"{mean.numel()} and {invstd.numel()}")
+    if not has_normalized_kernel(x.device):
+        stat = [1, c] + [1] * (x.dim() - 2)
+        x_hat = (x.detach().float() - mean.detach().float().view(stat)).mul_(
+            invstd.detach().float().view(stat))
+        return quantize(x_hat, bits, group_size, seed=seed, rounding=rounding, validate=validate)
+    rows = as_rows(x.detach())
+    n, d = rows.shape
+    per = d // c if c else 0  # positions of a channel in a row
+    shift = mean.detach().reshape(c).float().repeat_interleave(per)
+    scale = invstd.detach().reshape(c).float().repeat_interleave(per)
+    row_bits, uniform = _row_bits(bits, n, x.device)
+    check_sample_bits(bits, validate)
+    k = kernels(x.device)
+    offsets = k.row_offsets(d, row_bits)
+    if n * d == 0:
+        data, lo, step = _empty_codes(n, d, group_size, x.device)
+    else:
+        data, lo, step = k.quantize_affine(rows, shift, scale, row_bits, offsets,
+                                           _capacity(bits, offsets, n, d), group_size,
+                                           seed & 0xFFFFFFFF, rounding == "stochastic")
+    if uniform is not None:
+        return QuantizedTensor(data, lo, step, x.shape, torch.float32, uniform, group_size)
+    return QuantizedTensor(data, lo, step, x.shape, torch.float32, None, group_size, row_bits,
+                           offsets)
+
+
 def check_quantize_args(x: Tensor, group_size: int, rounding: str,
                         seed: Optional[int]) -> Tuple[int, int]:
     """The checks every quantizer makes of its input and settings; returns (group_size, the
