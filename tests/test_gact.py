@@ -148,17 +148,22 @@ class Spy:
 
     def __init__(self, monkeypatch) -> None:
         self.calls: List[Tuple[int, float]] = []
-        real = _saving.quantize
 
-        def spy(x, bits, *args, **kwargs):
-            q = real(x, bits, *args, **kwargs)
-            n = max(q.shape[0], 1) if len(q.shape) > 1 else 1
-            d = q.numel() // n if q.numel() else 0
-            used = (float(q.row_bits.double().sum()) * d if q.mixed else float(q.bits) * q.numel())
-            self.calls.append((q.numel(), used))
-            return q
+        def spying(real):
+            def spy(*args, **kwargs):
+                q = real(*args, **kwargs)
+                n = max(q.shape[0], 1) if len(q.shape) > 1 else 1
+                d = q.numel() // n if q.numel() else 0
+                used = (float(q.row_bits.double().sum()) * d if q.mixed
+                        else float(q.bits) * q.numel())
+                self.calls.append((q.numel(), used))
+                return q
+            return spy
 
-        monkeypatch.setattr(_saving, "quantize", spy)
+        monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
+        # batch norm's normalized input, quantized without the copy on the CPU
+        monkeypatch.setattr(_saving, "quantize_normalized",
+                            spying(_saving.quantize_normalized))
 
 
 @pytest.mark.parametrize("budget", [1.5, 2, 3])

@@ -106,16 +106,16 @@ def test_batchnorm_uses_it_with_the_same_seeds_and_gradients(monkeypatch, captur
     compiled_extension()
     calls = []
     real = api.quantize_normalized
-    import actnn_zoo.functional.norm as norm
+    import actnn_zoo.functional._saving as saving
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(norm, "quantize_normalized", counting)
+    monkeypatch.setattr(saving, "quantize_normalized", counting)
 
     def grads(fused: bool):
-        monkeypatch.setattr(norm, "has_normalized_kernel",
+        monkeypatch.setattr(saving, "has_normalized_kernel",
                             api.has_normalized_kernel if fused else (lambda device: False))
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),

@@ -412,6 +412,8 @@ class QuantizeSpy:
             return spy
 
         monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
+        monkeypatch.setattr(_saving, "quantize_normalized",
+                            spying(_saving.quantize_normalized))
         monkeypatch.setattr(store, "quantize_sparse", spying(store.quantize_sparse))
 
     def take(self) -> float:

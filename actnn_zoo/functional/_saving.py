@@ -9,7 +9,9 @@ from torch import Tensor
 
 from ..capture.session import active_session
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, SampleBits, dequantize_rows, quantize
+from ..quant import (Bits, QuantizedTensor, SampleBits, dequantize_rows, quantize,
+                     quantize_normalized)
+from ..quant.api import has_normalized_kernel
 from ..quant.tensor import CompressedPayload
 from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
                               uses_division)
@@ -42,6 +44,23 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None, *,
         return session.store.compress(x, b, qconfig.group_size, qconfig.rounding,
                                       quantize_fn=fn, kind=kind)
     return fn(x, b, qconfig.group_size, rounding=qconfig.rounding)
+
+
+def compress_normalized(x: Tensor, mean: Tensor, invstd: Tensor, qconfig: LayerQConfig,
+                        bits: Optional[Bits] = None) -> Optional[QuantizedTensor]:
+    """``compress((x - mean) * invstd)`` for an (N, C, *spatial) ``x`` and per-channel ``mean``
+    / ``invstd`` (shaped to broadcast, (1, C, 1, ...)) without making the normalized copy, where
+    the CPU kernel does that (``quant.quantize_normalized``: plain quantizer, no rotation,
+    contiguous float32/16 input); else None, and the caller makes the copy. Why: a batch norm
+    saves its normalized input, and making it took two passes over the map before the
+    quantizer's (docs/design.md, "The step's time")."""
+    if not (x.dim() >= 2 and mean.dim() == x.dim() and mean.shape[0] == 1
+            and qconfig.compressor == "quant" and qconfig.transform == "none"
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and x.is_contiguous() and has_normalized_kernel(x.device)):
+        return None
+    return quantize_normalized(x, mean, invstd, qconfig.bits if bits is None else bits,
+                               qconfig.group_size, rounding=qconfig.rounding)
 
 
 def quantizer_for(x: Tensor, qconfig: LayerQConfig, maps: Optional[bool] = None):

@@ -25,6 +25,7 @@ from ..capture.session import active_session
 from ..capture.store import ZeroCodeClaim, ZeroCodeSlot, save_probe
 from ..quant import Bits, pack_compare, unpack_mask
 from ..quant.api import masked_grad
+from ..quant.tensor import CompressedPayload
 from ._saving import (compress, compress_produced, dequantize_rows, load, restore,
                       sample_chunks, save)
 
@@ -356,8 +357,14 @@ class DerivativeActivationFunction(torch.autograd.Function):
         deriv = from_memory_order(restore(q), ctx.perm)
         if ctx.in_dtype == torch.float64:
             deriv = deriv.double()
-        grad_in = (grad * deriv).to(ctx.in_dtype)
-        return grad_in, None, None, None, None, None
+        if isinstance(q, CompressedPayload) and deriv.dtype == torch.promote_types(
+                grad.dtype, deriv.dtype) and deriv.shape == grad.shape:
+            # the decoded copy is this call's own: the product goes into it (the same values
+            # as grad * deriv), no second full-size buffer
+            grad_in = deriv.mul_(grad)
+        else:
+            grad_in = grad * deriv
+        return grad_in.to(ctx.in_dtype), None, None, None, None, None
 
 
 def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConfig],

@@ -34,10 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, quantize_normalized
-from ..quant.api import has_normalized_kernel
-from ._saving import (compress, compress_produced, dequantize_rows, load, restore,
-                      sample_chunks, save)
+from ..quant import Bits, QuantizedTensor
+from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
+                      restore, sample_chunks, save)
 from .linear import cast, dtype_of, first_order_only, memory_format_of, no_autocast
 
 
@@ -92,19 +91,15 @@ def _normalize(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
 def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: LayerQConfig,
                          bits: Bits, maps: bool):
     """``compress(_normalize(xc, mean, invstd))``. Per-channel statistics (batch norm) on the
-    CPU: normalized on the way into the quantizer (``quant.quantize_normalized``), the copy never
-    made. Otherwise the normalized copy is made and quantized a chunk of samples at a time when
+    CPU: normalized on the way into the quantizer (``_saving.compress_normalized``), the copy
+    never made. Otherwise the normalized copy is made and quantized a chunk of samples at a time when
     large (``compress_produced``): the forward never holds it whole next to the layer's input
     and output. Statistics with a sample dim are sliced with it. ``maps``: channels-first
     (batch and group norm) or features last (layer norm)."""
     n = xc.shape[0] if xc.dim() >= 2 else 1
-    if (maps and xc.dim() >= 2 and mean.dim() == xc.dim() and mean.shape[0] == 1
-            and qconfig.compressor == "quant" and qconfig.transform == "none"
-            and xc.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and xc.is_contiguous() and has_normalized_kernel(xc.device)):
-        # per-channel statistics (batch norm): normalized on the way into the quantizer
-        return quantize_normalized(xc, mean, invstd, qconfig.bits if bits is None else bits,
-                                   qconfig.group_size, rounding=qconfig.rounding)
+    q = compress_normalized(xc, mean, invstd, qconfig, bits) if maps else None
+    if q is not None:  # per-channel statistics (batch norm) on the CPU
+        return q
 
     def rows(stat: Tensor, start: int, stop: int) -> Tensor:
         return stat[start:stop] if stat.dim() and stat.shape[0] == n else stat

@@ -268,9 +268,11 @@ def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
-        data, lo, step = k.quantize_affine(rows, shift, scale, row_bits, offsets,
-                                           _capacity(bits, offsets, n, d), group_size,
-                                           seed & 0xFFFFFFFF, rounding == "stochastic")
+        total = n * ((d * uniform + 7) // 8) if uniform is not None else \
+            _capacity(bits, offsets, n, d)  # one width: from host ints, no read of offsets
+        data, lo, step = k.quantize_affine(rows, shift, scale, row_bits, offsets, total,
+                                           group_size, seed & 0xFFFFFFFF,
+                                           rounding == "stochastic")
     if uniform is not None:
         return QuantizedTensor(data, lo, step, x.shape, torch.float32, uniform, group_size)
     return QuantizedTensor(data, lo, step, x.shape, torch.float32, None, group_size, row_bits,
