@@ -16,10 +16,11 @@ from torch import Tensor, nn
 import actnn_zoo as az
 from actnn_zoo.config import QuantConfig
 from actnn_zoo.convert import precision_strategy
-from actnn_zoo.functional import _saving
 from actnn_zoo.precision import STRATEGY_CLASSES, GACTStrategy, greedy_widths
 from actnn_zoo.precision.gact import variance_cost
 from actnn_zoo.precision import readback
+
+from _spy import CompressionSpy  # tests/_spy.py
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -143,35 +144,12 @@ def test_yaml_selects_gact_and_bad_values_name_the_key(tmp_path):
 
 
 # ----------------------------------------------------------------------------- budget
-class Spy:
-    """(values, bits used) of every tensor the Functions compress."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.calls: List[Tuple[int, float]] = []
-
-        def spying(real):
-            def spy(*args, **kwargs):
-                q = real(*args, **kwargs)
-                n = max(q.shape[0], 1) if len(q.shape) > 1 else 1
-                d = q.numel() // n if q.numel() else 0
-                used = (float(q.row_bits.double().sum()) * d if q.mixed
-                        else float(q.bits) * q.numel())
-                self.calls.append((q.numel(), used))
-                return q
-            return spy
-
-        monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
-        # batch norm's normalized input, quantized without the copy on the CPU
-        monkeypatch.setattr(_saving, "quantize_normalized",
-                            spying(_saving.quantize_normalized))
-
-
 @pytest.mark.parametrize("budget", [1.5, 2, 3])
 def test_allocation_meets_the_budget(monkeypatch, budget):
     torch.manual_seed(0)
     model = az.convert_model(Net(), strategy="gact", bits=budget, update_interval=2,
                              capture=False)
-    spy = Spy(monkeypatch)
+    spy = CompressionSpy(monkeypatch)
     x, y = problem(32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     realised = []

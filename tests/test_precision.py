@@ -20,7 +20,6 @@ from torch import Tensor, nn
 import actnn_zoo as az
 from actnn_zoo.config import STRATEGIES, QuantConfig
 from actnn_zoo.convert import precision_strategy
-from actnn_zoo.functional import _saving
 from actnn_zoo.precision import (STRATEGY_CLASSES, ActNNStrategy, UniformStrategy,
                                  allocate_samples, allocate_weighted, quantization_cost,
                                  range_statistic)
@@ -28,6 +27,8 @@ from actnn_zoo.precision.solver import _allocate_samples_torch, extra_bits
 from actnn_zoo.precision.stats import _range_statistic_torch
 from actnn_zoo.quant.backend import extension
 from actnn_zoo.quant import SampleBits
+
+from _spy import CompressionSpy  # tests/_spy.py
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISION_DIR = ROOT / "actnn_zoo" / "precision"
@@ -87,33 +88,6 @@ def train(model: nn.Module, data: List[Tuple[Tensor, Tensor]], lr: float = 0.01)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-
-
-class Spy:
-    """Records every tensor the Functions compress: (values, bits actually used)."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.calls: List[Tuple[int, float, object]] = []
-
-        def spying(real):
-            def spy(*args, **kwargs):
-                q = real(*args, **kwargs)
-                n = max(q.shape[0], 1) if len(q.shape) > 1 else 1
-                d = q.numel() // n if q.numel() else 0
-                used = (float(q.row_bits.double().sum()) * d if q.mixed
-                        else float(q.bits) * q.numel())
-                self.calls.append((q.numel(), used, q))
-                return q
-            return spy
-
-        monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
-        # batch norm's normalized input, quantized without the copy on the CPU
-        monkeypatch.setattr(_saving, "quantize_normalized",
-                            spying(_saving.quantize_normalized))
-
-    def take(self) -> List[Tuple[int, float, object]]:
-        out, self.calls = self.calls, []
-        return out
 
 
 def average_bits(calls) -> float:
@@ -270,7 +244,7 @@ def test_strategy_registry_and_configs():
 def test_realised_average_never_exceeds_the_budget(monkeypatch, budget):
     torch.manual_seed(0)
     model = az.convert_model(Net(), strategy="actnn", bits=budget)
-    spy = Spy(monkeypatch)
+    spy = CompressionSpy(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     realised = []
     for x, y in batches(32, 6):
@@ -291,7 +265,7 @@ def test_pinned_layers_keep_their_widths_and_the_rest_pays(monkeypatch):
            "rules": [{"name": "conv2", "bits": 4}, {"type": "BatchNorm2d", "bits": 1}]}
     model = az.convert_model(Net(), cfg)
     pinned = {model.conv2: 4, model.bn1: 1, model.bn2: 1}
-    spy = Spy(monkeypatch)
+    spy = CompressionSpy(monkeypatch)
     seen: Dict[nn.Module, List[Tensor]] = {m: [] for m in pinned}
     for m in pinned:
         m.register_forward_hook(lambda mod, a, out: seen[mod].append(spy.calls[-1][2]))
@@ -613,7 +587,7 @@ def test_checkpointing_batch_changes_autocast_and_accumulation(monkeypatch):
     accumulated backwards: every step trains, counts once, and stays within the budget."""
     torch.manual_seed(0)
     model = az.convert_model(Checkpointed(), strategy="actnn", bits=1.5, update_interval=1)
-    spy = Spy(monkeypatch)
+    spy = CompressionSpy(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for i, n in enumerate([16, 16, 16, 7, 16, 1, 16]):
         x, y = torch.randn(n, 3, 8, 8), torch.randint(0, 10, (n,))

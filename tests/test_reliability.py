@@ -24,6 +24,8 @@ from actnn_zoo.config import LayerQConfig
 from actnn_zoo.convert import default_mapping
 from actnn_zoo.nn import QConv2d, QConvTranspose1d, QLinear, QModule
 
+from _spy import CompressionSpy  # tests/_spy.py
+
 Factory = Callable[[], nn.Module]
 
 # torch layer class -> (a factory, an input shape). A factory builds the layer to convert.
@@ -390,39 +392,6 @@ class SharedNet(nn.Module):
         return self.out(F.relu(self.shared(h)))
 
 
-class QuantizeSpy:
-    """Every tensor the Functions compress: (values, bits per value the widths give them).
-    Plain codes and the sparse codes a ReLU output shared with its consumer (which store codes
-    for the nonzeros only, at the same row widths) both count every value at its row's width."""
-
-    def __init__(self, monkeypatch) -> None:
-        from actnn_zoo.capture import store
-        from actnn_zoo.functional import _saving
-        self.calls: List[Tuple[int, float]] = []
-
-        def spying(real):
-            def spy(x: Tensor, bits, *args, **kwargs):
-                q = real(x, bits, *args, **kwargs)
-                rows = q.shape[0] if len(q.shape) > 1 else 1
-                per_row = q.numel() // max(rows, 1)
-                used = (float(q.row_bits.double().sum()) * per_row if q.mixed
-                        else float(q.bits) * q.numel())
-                self.calls.append((q.numel(), used))
-                return q
-            return spy
-
-        monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
-        monkeypatch.setattr(_saving, "quantize_normalized",
-                            spying(_saving.quantize_normalized))
-        monkeypatch.setattr(store, "quantize_sparse", spying(store.quantize_sparse))
-
-    def take(self) -> float:
-        values = sum(c[0] for c in self.calls)
-        used = sum(c[1] for c in self.calls)
-        self.calls = []
-        return used / values
-
-
 @pytest.mark.parametrize("half", [False, True], ids=["same", "half_batch"])
 @pytest.mark.parametrize("budget", [2, 3])
 def test_a_layer_called_twice_counts_twice_under_auto_precision(monkeypatch, budget, half):
@@ -433,7 +402,7 @@ def test_a_layer_called_twice_counts_twice_under_auto_precision(monkeypatch, bud
     torch.manual_seed(0)
     model = az.convert_model(SharedNet(half), strategy="actnn", bits=budget, update_interval=1)
     strategy = precision_strategy(model)
-    spy = QuantizeSpy(monkeypatch)
+    spy = CompressionSpy(monkeypatch, sparse=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(0)
     losses, realised, allocated = [], [], []
@@ -447,7 +416,7 @@ def test_a_layer_called_twice_counts_twice_under_auto_precision(monkeypatch, bud
         loss.backward()
         opt.step()
         losses.append(float(loss))
-        realised.append(spy.take())
+        realised.append(spy.take_average())
         stats = {w.name: w.stats for w in strategy.watched}
         assert stats["shared"].calls == 2 and stats["fc_in"].calls == 1
         second = n // 2 if half else n

@@ -1,0 +1,44 @@
+"""CompressionSpy: every tensor the Q-layers' Functions compress, for tests of bit budgets."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from actnn_zoo.capture import store
+from actnn_zoo.functional import _saving
+
+
+class CompressionSpy:
+    """Records (values, bits the widths give them, payload) of every tensor compressed through
+    ``_saving.quantize``, ``_saving.quantize_normalized`` (batch norm's normalized input on the
+    CPU) and, with ``sparse=True``, the capture store's sparse codes (a ReLU output shared with
+    its consumer: codes for the nonzeros only, at the same row widths, so every value counts at
+    its row's width)."""
+
+    def __init__(self, monkeypatch, sparse: bool = False) -> None:
+        self.calls: List[Tuple[int, float, object]] = []
+
+        def spying(real):
+            def spy(*args, **kwargs):
+                q = real(*args, **kwargs)
+                rows = max(q.shape[0], 1) if len(q.shape) > 1 else 1
+                per_row = q.numel() // rows if q.numel() else 0
+                used = (float(q.row_bits.double().sum()) * per_row if q.mixed
+                        else float(q.bits) * q.numel())
+                self.calls.append((q.numel(), used, q))
+                return q
+            return spy
+
+        monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
+        monkeypatch.setattr(_saving, "quantize_normalized", spying(_saving.quantize_normalized))
+        if sparse:
+            monkeypatch.setattr(store, "quantize_sparse", spying(store.quantize_sparse))
+
+    def take(self) -> List[Tuple[int, float, object]]:
+        """The calls recorded since the last take."""
+        out, self.calls = self.calls, []
+        return out
+
+    def take_average(self) -> float:
+        """Bits per value over the calls since the last take."""
+        calls = self.take()
+        return sum(c[1] for c in calls) / sum(c[0] for c in calls)
