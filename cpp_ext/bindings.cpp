@@ -60,14 +60,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine(
-    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale,
-    const at::Tensor& bits, const at::Tensor& offsets, int64_t total, int64_t group_size,
-    int64_t seed, bool stochastic) {
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
+    int64_t block, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic) {
   RECORD_USER_SCOPE("actnn_zoo::quantize");
   check_same_device(x2d, "x2d", {{&bits, "bits"}, {&offsets, "offsets"}});
   if (x2d.device().is_cpu()) {
-    return actnn_zoo::quantize_affine_cpu(x2d, shift, scale, bits, offsets, total, group_size,
-                                          seed, stochastic);
+    return actnn_zoo::quantize_affine_cpu(x2d, shift, scale, row_stride, block, bits, offsets,
+                                          total, group_size, seed, stochastic);
   }
   TORCH_CHECK(false, "actnn_zoo._C.quantize_affine: CPU only (got a tensor on ", x2d.device(),
               "); quantize the mapped tensor instead");
@@ -236,10 +236,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(N, G), step bf16 (N, G)); bits (N,) uint8, offsets (N + 1,) int64. zero_exact: "
         "groups whose minimum is 0 get an exact zero code (step stored negative).");
   m.def("quantize_affine", &quantize_affine, nogil, py::arg("x2d"), py::arg("shift"),
-        py::arg("scale"), py::arg("bits"), py::arg("offsets"), py::arg("total"),
-        py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
-        "quantize of (x2d - shift) * scale (float32, per position of a row: shift and scale "
-        "(D,) float32) without making it: the codes quantize gives that tensor. CPU only.");
+        py::arg("scale"), py::arg("row_stride"), py::arg("block"), py::arg("bits"),
+        py::arg("offsets"), py::arg("total"), py::arg("group_size"), py::arg("seed"),
+        py::arg("stochastic"),
+        "quantize of (x2d - shift[i]) * scale[i] (float32), i = n * row_stride + p / block at "
+        "position p of row n, without making it: the codes quantize gives that tensor. CPU "
+        "only.");
   m.def("dequantize", &dequantize, nogil, py::arg("data"), py::arg("lo"), py::arg("step"),
         py::arg("bits"), py::arg("offsets"), py::arg("group_size"), py::arg("out"),
         "Writes lo + q * step (float32 arithmetic) into out (N, D), contiguous, and returns it.");

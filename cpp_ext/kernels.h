@@ -42,12 +42,12 @@ AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t group_size, int64_t seed, bool stochastic, bool zero_exact);
-// quantize_cpu of (x - shift[j]) * scale[j] (float32, two roundings) at position j of each row,
-// without making that tensor: shift and scale (D,) float32. A batch norm's normalized input.
+// quantize_cpu of (x - shift[i]) * scale[i] (float32, two roundings), i = n * row_stride +
+// p / block at position p of row n, without making that tensor: a norm's normalized input.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
-    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale,
-    const at::Tensor& bits, const at::Tensor& offsets, int64_t total, int64_t group_size,
-    int64_t seed, bool stochastic);
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
+    int64_t block, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic);
 // Writes q * step + lo (float32 arithmetic) into out (N, D), contiguous, any float dtype; in a
 // zero-exact group 0 for code 0 and (q - 1) * |step| + lo otherwise.
 at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,

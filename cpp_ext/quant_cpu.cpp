@@ -122,12 +122,17 @@ AZ_INLINE const float* padded_block(const T* x, int n, int n16, float* __restric
   return buf;
 }
 
-// The block quantize_group codes: padded_block of x, or with a per-position affine map
-// (kAffine: (x - shift[k]) * scale[k] in float32, two roundings, as torch computes a normalized
-// copy (x - mean) * invstd) applied on the way, so the mapped tensor never exists whole.
+// The block quantize_group codes: padded_block of x, or with an affine map applied on the way
+// (kAffine: (x - shift) * scale in float32, two roundings, as torch computes a normalized copy
+// (x - mean) * invstd), so the mapped tensor never exists whole. Position p of a row takes
+// shift[p / block] and scale[p / block] (quantize_impl offsets both by row * row_stride): one
+// pair per channel of a batch norm (row_stride 0, block = the map's size), per position of a
+// layer norm's rows (row_stride = rows of a sample, block = the normalized size).
 struct Affine {
-  const float* shift = nullptr;  // (D,) per position of a row; null: no map
+  const float* shift = nullptr;  // null: no map
   const float* scale = nullptr;
+  int64_t row_stride = 0;  // statistics per row (sample) of the quantizer
+  int64_t block = 1;       // consecutive positions sharing one pair
 };
 
 template <typename T, bool kAffine>
@@ -136,15 +141,20 @@ AZ_INLINE const float* group_block(const T* x, const Affine& a, int64_t pos, int
   if constexpr (!kAffine) {
     return padded_block(x, n, n16, buf);
   } else {
-    const float* __restrict sh = a.shift + pos;
-    const float* __restrict sc = a.scale + pos;
     if constexpr (std::is_same<T, float>::value) {
-#pragma omp simd
-      for (int k = 0; k < n; ++k) buf[k] = (x[k] - sh[k]) * sc[k];
+      std::memcpy(buf, x, static_cast<size_t>(n) * sizeof(float));
     } else {
       load_block(x, n, buf);
+    }
+    for (int k = 0; k < n;) {  // runs of positions sharing one pair
+      const int64_t p = pos + k;
+      const int64_t seg = p / a.block;
+      const int run = static_cast<int>(std::min<int64_t>(n - k, (seg + 1) * a.block - p));
+      const float m = a.shift[seg], sc = a.scale[seg];
+      float* __restrict v = buf + k;
 #pragma omp simd
-      for (int k = 0; k < n; ++k) buf[k] = (buf[k] - sh[k]) * sc[k];
+      for (int j = 0; j < run; ++j) v[j] = (v[j] - m) * sc;
+      k += run;
     }
     for (int k = n; k < n16; ++k) buf[k] = buf[0];
     return buf;
@@ -170,13 +180,16 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
                     int64_t pos) {
   alignas(64) float buf[kBlock];
   const bool zmode = zero && B >= 2;
-  // Pass 1: the range (and the smallest positive value for zero-exact groups).
+  // Pass 1: the range (and the smallest positive value for zero-exact groups). A group of one
+  // block keeps it loaded (converted, mapped) for pass 2.
+  const float* loaded = nullptr;
   Range r;
   float pmin = INFINITY;
   for (int64_t e = 0; e < len; e += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
     const int n16 = (n + 15) & ~15;
     const float* v = group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
+    if (len <= kBlock) loaded = v;
     range_update(v, n16, r);
     if (zmode) pmin = positive_min(v, n16, pmin);
   }
@@ -215,7 +228,8 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
   for (int64_t e = 0; e < len; e += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
     const int n16 = (n + 15) & ~15;
-    const float* v = group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
+    const float* v = loaded != nullptr ? loaded
+                                       : group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
     code_block<kStochastic>(v, n16, lo, inv, levels, i0 + static_cast<uint64_t>(e), key,
                             codes32);
     if (zg) {
@@ -260,9 +274,14 @@ void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, co
       const int b = bits[n];
       const int64_t start = g * group_size;
       const int64_t len = std::min(group_size, d - start);
+      Affine row = a;  // this row's statistics
+      if (kAffine) {
+        row.shift = a.shift + n * a.row_stride;
+        row.scale = a.scale + n * a.row_stride;
+      }
       quantize_group_any<T, kStochastic, kAffine>(
           b, x + n * d + start, len, static_cast<uint64_t>(n * d + start), key,
-          data + offsets[n] + start * b / 8, lo + id, step + id, zero, a, start);
+          data + offsets[n] + start * b / 8, lo + id, step + id, zero, row, start);
     }
   });
 }
@@ -550,18 +569,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
-    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale,
-    const at::Tensor& bits, const at::Tensor& offsets, int64_t total, int64_t group_size,
-    int64_t seed, bool stochastic) {
-  const int64_t d = x2d.dim() == 2 ? x2d.size(1) : -1;
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
+    int64_t block, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic) {
+  TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d (N, D), got shape ", x2d.sizes());
+  const int64_t n = x2d.size(0), d = x2d.size(1);
+  TORCH_CHECK_VALUE(block >= 1 && row_stride >= 0, "block must be >= 1 and row_stride >= 0, got ",
+                    block, " and ", row_stride);
+  // pairs read: rows 0..N-1 at row * row_stride, positions 0..D-1 at p / block
+  const int64_t need = n == 0 || d == 0 ? 0 : (n - 1) * row_stride + (d - 1) / block + 1;
   for (const at::Tensor* t : {&shift, &scale}) {
     TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 1 &&
-                          t->size(0) == d && t->is_contiguous(),
-                      "shift and scale must be contiguous float32 CPU tensors of shape (", d,
-                      ",) (one value per position of a row)");
+                          t->numel() >= need && t->is_contiguous(),
+                      "shift and scale must be contiguous 1-d float32 CPU tensors of at least ",
+                      need, " values (row_stride ", row_stride, ", block ", block, ")");
   }
   return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, false,
-                           Affine{shift.data_ptr<float>(), scale.data_ptr<float>()});
+                           Affine{shift.data_ptr<float>(), scale.data_ptr<float>(), row_stride,
+                                  block});
 }
 
 at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,

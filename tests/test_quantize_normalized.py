@@ -1,10 +1,10 @@
-"""``quant.quantize_normalized``: a batch norm's normalized input quantized without making it.
+"""``quant.quantize_normalized``: a norm's normalized input quantized without making it.
 
 The fused CPU kernel (``_C.quantize_affine``) against quantizing the normalized copy torch's way
 ((x - mean) * invstd in float32) with the same seed, bit for bit (hypothesis over shapes,
-dtypes, widths, group sizes and rounding); the fallback where the kernel is missing; bad input;
-and QBatchNorm taking the fused path with the same seeds, so its gradients are bit-identical to
-the unfused path's.
+dtypes, widths, group sizes, rounding, and batch-, layer- and group-norm statistics); the
+fallback where the kernel is missing; bad input; and the norm layers taking the fused path with
+the same seeds, so their gradients are bit-identical to the unfused path's.
 """
 from __future__ import annotations
 
@@ -22,13 +22,17 @@ from _ext import compiled_extension
 
 
 def _normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    return (x.float() - mean.view(shape)).mul_(invstd.view(shape))
+    return (x.float() - mean).mul_(invstd)
 
 
-def _stats(x: torch.Tensor):
-    dims = [0] + list(range(2, x.dim()))
-    var, mean = torch.var_mean(x.float(), dims, correction=0)
+def _stats(x: torch.Tensor, kind: str = "batch"):
+    """(mean, invstd) shaped to broadcast: per channel (batch norm), per row of the last dim
+    (layer norm) or per (sample, channel) (group norm with one channel per group)."""
+    dims = {"batch": [0] + list(range(2, x.dim())), "layer": [x.dim() - 1],
+            "group": list(range(2, x.dim()))}[kind]
+    if kind == "group" and x.dim() == 2:
+        dims = [1]
+    var, mean = torch.var_mean(x.float(), dims, correction=0, keepdim=True)
     return mean, torch.rsqrt(var + 1e-5)
 
 
@@ -50,13 +54,13 @@ def _same(a, b) -> None:
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        widths=st.sampled_from(["1", "2", "4", "8", "tensor", "sample"]),
        group=st.sampled_from([8, 64, 256]), seed=st.integers(0, 2 ** 31 - 1),
-       stochastic=st.booleans())
+       stochastic=st.booleans(), kind=st.sampled_from(["batch", "layer", "group"]))
 def test_fused_kernel_equals_quantizing_the_normalized_copy(n, c, spatial, dtype, widths, group,
-                                                            seed, stochastic):
+                                                            seed, stochastic, kind):
     compiled_extension()
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn((n, c) + spatial, generator=g) * 3 + 1).to(dtype)
-    mean, invstd = _stats(x)
+    mean, invstd = _stats(x, kind)
     if widths == "tensor":
         bits = torch.tensor([1, 2, 4, 8, 2, 4][:n], dtype=torch.uint8)
     elif widths == "sample":
@@ -86,21 +90,29 @@ def test_bad_input_is_named():
     mean, invstd = _stats(x)
     with pytest.raises(ValueError, match="contiguous"):
         quantize_normalized(x.transpose(2, 3), mean, invstd, 2)
-    with pytest.raises(ValueError, match="one value per channel"):
-        quantize_normalized(x, mean[:5], invstd, 2)
+    with pytest.raises(ValueError, match="per channel"):
+        quantize_normalized(x, mean[:, :5], invstd[:, :5], 2)
+    with pytest.raises(ValueError, match="per channel"):  # a statistic per width position
+        quantize_normalized(x, torch.zeros(1, 1, 1, 5), torch.ones(1, 1, 1, 5), 2)
+    with pytest.raises(ValueError, match="one shape"):
+        quantize_normalized(x, mean, invstd.view(6), 2)
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         quantize_normalized(x.double(), mean, invstd, 2)
     with pytest.raises(ValueError, match="bits"):
         quantize_normalized(x, mean, invstd, 3)
-    with pytest.raises(ValueError, match="shift and scale"):
+    with pytest.raises(ValueError, match="shift and scale"):  # 6 channels of 25: 6 pairs
         compiled_extension().quantize_affine(
-            x.reshape(4, -1), torch.zeros(5), torch.ones(150),
+            x.reshape(4, -1), torch.zeros(5), torch.ones(6), 0, 25,
+            torch.full((4,), 2, dtype=torch.uint8), torch.arange(5) * 38, 4 * 38, 64, 0, True)
+    with pytest.raises(ValueError, match="block"):
+        compiled_extension().quantize_affine(
+            x.reshape(4, -1), torch.zeros(6), torch.ones(6), 0, 0,
             torch.full((4,), 2, dtype=torch.uint8), torch.arange(5) * 38, 4 * 38, 64, 0, True)
 
 
 @pytest.mark.parametrize("capture", [True, False])
 @pytest.mark.parametrize("strategy", ["uniform", "default"])
-def test_batchnorm_uses_it_with_the_same_seeds_and_gradients(monkeypatch, capture, strategy):
+def test_norms_use_it_with_the_same_seeds_and_gradients(monkeypatch, capture, strategy):
     """The fused path draws the same seed at the same point as quantizing the made copy, so a
     converted CNN's gradients are bit-identical either way (small maps: one quantize call)."""
     compiled_extension()
@@ -119,8 +131,8 @@ def test_batchnorm_uses_it_with_the_same_seeds_and_gradients(monkeypatch, captur
                             api.has_normalized_kernel if fused else (lambda device: False))
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                              nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                              nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+                              nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                              nn.Flatten(), nn.Linear(8 * 6 * 6, 4), nn.LayerNorm(4))
         kw = {"bits": 2, "strategy": "uniform"} if strategy == "uniform" else {}
         model = convert_model(model, capture=capture, **kw)
         x = torch.randn(8, 3, 6, 6)
@@ -131,8 +143,8 @@ def test_batchnorm_uses_it_with_the_same_seeds_and_gradients(monkeypatch, captur
         return [p.grad.clone() for p in model.parameters()]
 
     fused = grads(True)
-    assert len(calls) == 4  # two batch norms, two steps
+    assert len(calls) == 6  # batch, group and layer norm, two steps
     plain = grads(False)
-    assert len(calls) == 4
+    assert len(calls) == 6
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)

@@ -230,37 +230,52 @@ def has_normalized_kernel(device: torch.device) -> bool:
     return device.type == "cpu" and getattr(kernels(device), "quantize_affine", None) is not None
 
 
+def _stat_layout(x: Tensor, stat: Tensor) -> Optional[Tuple[int, int]]:
+    """(row_stride, block) of the kernel's statistics index ``n * row_stride + p / block`` for
+    a statistic broadcasting against ``x`` that varies only over a leading run of its dims,
+    the sample dim optional (per channel: (1, C, 1, ...); per row of a layer norm: (N, ..., 1,
+    ...); per (sample, channel)); None for any other shape."""
+    if stat.dim() != x.dim():
+        return None
+    varying = [i for i, s in enumerate(stat.shape) if s != 1]
+    stop = varying[-1] + 1 if varying else 1  # dims from stop on share one statistic
+    if any(stat.shape[i] != x.shape[i] for i in range(1, stop)):
+        return None
+    if stat.shape[0] not in (1, x.shape[0]):
+        return None
+    block = max(x.shape[stop:].numel(), 1)
+    return (x.shape[1:stop].numel() if stat.shape[0] == x.shape[0] else 0), block
+
+
 def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
                         group_size: int = 256, seed: Optional[int] = None,
                         rounding: str = "stochastic", validate: Optional[bool] = None
                         ) -> QuantizedTensor:
-    """``quantize((x - mean) * invstd, ...)`` for an (N, C, *spatial) ``x`` and per-channel
-    (dim 1, C values) ``mean`` and ``invstd``: the normalized copy in float32, computed as
-    torch computes it (subtract, then multiply, each rounded), so the result is bit for bit what
-    :func:`quantize` gives that copy with the same seed (a float32 :class:`QuantizedTensor`).
-    With the compiled CPU kernel (:func:`has_normalized_kernel`) the copy is never made: each
-    group is normalized on the way into the quantizer. Why: a batch norm saves its normalized
-    input (``functional/norm.py``), and making the copy took two passes over the map before the
-    quantizer's, as long as the batch norm itself (docs/design.md, "The step's time").
+    """``quantize((x - mean) * invstd, ...)`` for a norm's statistics ``mean`` and ``invstd``:
+    per channel, (1, C, 1, ...) like batch norm's, or per row, (N, ..., 1, ...) like layer
+    norm's (any statistic broadcasting against ``x`` whose non-singleton dims are a run of its
+    dims starting at dim 0 or 1). The normalized copy is float32, computed as torch computes it
+    (subtract, then multiply, each rounded), so the result is bit for bit what :func:`quantize`
+    gives that copy with the same seed (a float32 :class:`QuantizedTensor`). With the compiled
+    CPU kernel (:func:`has_normalized_kernel`) the copy is never made: each group is normalized
+    on the way into the quantizer. Why: norms save their normalized input
+    (``functional/norm.py``), and making the copy took two passes over the map before the
+    quantizer's, as long as the norm itself (docs/design.md, "The step's time").
     ``x`` must be contiguous; float32, float16 or bfloat16."""
     group_size, seed = check_quantize_args(x, group_size, rounding, seed)
     if x.dim() < 2 or not x.is_contiguous():
-        raise ValueError(f"quantize_normalized needs a contiguous (N, C, ...) tensor, got "
-                         f"shape {tuple(x.shape)}, strides {x.stride()}")
-    c = x.shape[1]
-    if mean.numel() != c or invstd.numel() != c:
-        raise ValueError(f"mean and invstd need one value per channel ({c}), got "
-                         f"{mean.numel()} and {invstd.numel()}")
+        raise ValueError(f"quantize_normalized needs a contiguous tensor of 2 or more dims, "
+                         f"got shape {tuple(x.shape)}, strides {x.stride()}")
+    layout = _stat_layout(x, mean)
+    if layout is None or mean.shape != invstd.shape:
+        raise ValueError(f"mean and invstd must have one shape, per channel (1, C, 1, ...) or "
+                         f"per row (N, ..., 1, ...) of x {tuple(x.shape)}; got "
+                         f"{tuple(mean.shape)} and {tuple(invstd.shape)}")
     if not has_normalized_kernel(x.device):
-        stat = [1, c] + [1] * (x.dim() - 2)
-        x_hat = (x.detach().float() - mean.detach().float().view(stat)).mul_(
-            invstd.detach().float().view(stat))
+        x_hat = (x.detach().float() - mean.detach().float()).mul_(invstd.detach().float())
         return quantize(x_hat, bits, group_size, seed=seed, rounding=rounding, validate=validate)
     rows = as_rows(x.detach())
     n, d = rows.shape
-    per = d // c if c else 0  # positions of a channel in a row
-    shift = mean.detach().reshape(c).float().repeat_interleave(per)
-    scale = invstd.detach().reshape(c).float().repeat_interleave(per)
     row_bits, uniform = _row_bits(bits, n, x.device)
     check_sample_bits(bits, validate)
     k = kernels(x.device)
@@ -270,8 +285,10 @@ def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
     else:
         total = n * ((d * uniform + 7) // 8) if uniform is not None else \
             _capacity(bits, offsets, n, d)  # one width: from host ints, no read of offsets
-        data, lo, step = k.quantize_affine(rows, shift, scale, row_bits, offsets, total,
-                                           group_size, seed & 0xFFFFFFFF,
+        shift = mean.detach().float().reshape(-1).contiguous()
+        scale = invstd.detach().float().reshape(-1).contiguous()
+        data, lo, step = k.quantize_affine(rows, shift, scale, layout[0], layout[1], row_bits,
+                                           offsets, total, group_size, seed & 0xFFFFFFFF,
                                            rounding == "stochastic")
     if uniform is not None:
         return QuantizedTensor(data, lo, step, x.shape, torch.float32, uniform, group_size)
