@@ -484,6 +484,10 @@ class StepSpec:
     device: str = "cpu"
     lr: float = 0.01
 
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:  # before any child process is started with it
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
     def with_batch(self, batch_size: int) -> "StepSpec":
         return dataclasses.replace(self, batch_size=batch_size)
 
@@ -595,6 +599,14 @@ def _gpu_try(spec: StepSpec) -> PeakReport:
         torch.cuda.empty_cache()
 
 
+def _out_of_memory(error: Optional[str]) -> bool:
+    """Whether a failed try's error is running out of memory (what the search probes for),
+    including a child the kernel's out-of-memory killer ended (SIGKILL)."""
+    return error is not None and ("OutOfMemoryError" in error or "MemoryError" in error
+                                  or "out of memory" in error.lower()
+                                  or error.startswith("child exited with -9"))
+
+
 def find_max_batch(spec: StepSpec, cap_bytes: Optional[int], start: int = 16,
                    limit: int = 1 << 20, rel_tol: float = 0.05,
                    measure: Optional[Callable[[StepSpec], PeakReport]] = None,
@@ -604,6 +616,8 @@ def find_max_batch(spec: StepSpec, cap_bytes: Optional[int], start: int = 16,
     then bisection until the bracket is within ``rel_tol`` (each try is a fresh child on CPU).
 
     On GPU with ``cap_bytes=None`` a batch fits when it does not raise an out-of-memory error.
+    A try that fails for any other reason raises RuntimeError naming the batch and the error:
+    counted as "too big" it would end the search at a wrong batch size without a word.
     """
     cuda = torch.device(spec.device).type == "cuda"
     if cap_bytes is None and not cuda:
@@ -618,6 +632,8 @@ def find_max_batch(spec: StepSpec, cap_bytes: Optional[int], start: int = 16,
         result.tries.append((b, report, ok))
         if on_try is not None:
             on_try(b, report, ok)
+        if not report.ok and not _out_of_memory(report.error):
+            raise RuntimeError(f"{spec.label}: the step at batch {b} failed: {report.error}")
         return ok
 
     lo, hi = 0, None

@@ -144,6 +144,33 @@ def test_find_max_batch_bisects_with_fake_measure():
     assert capped.batch_size == 64 and capped.hit_limit
 
 
+def test_find_max_batch_stops_on_a_failed_try_and_counts_out_of_memory_as_too_big():
+    """An out-of-memory try (or a child the OOM killer ended) is "too big"; any other failure
+    raises, naming the batch and the error, instead of ending the search at a wrong size."""
+    def measure(spec: StepSpec) -> PeakReport:
+        if spec.batch_size > 40:
+            return PeakReport(error="MemoryError: cannot allocate")
+        if spec.batch_size > 20:
+            return PeakReport(error="child exited with -9: Killed")
+        return PeakReport(delta_bytes=spec.batch_size)
+
+    res = find_max_batch(StepSpec("resnet", 1), 10 ** 9, start=8, rel_tol=0.0, measure=measure)
+    assert res.batch_size == 20
+
+    def broken(spec: StepSpec) -> PeakReport:
+        if spec.batch_size > 16:
+            return PeakReport(error="TypeError: quantize_affine(): incompatible arguments")
+        return PeakReport(delta_bytes=spec.batch_size)
+
+    with pytest.raises(RuntimeError, match="batch 32 failed: TypeError"):
+        find_max_batch(StepSpec("resnet", 1), 10 ** 9, start=8, measure=broken)
+
+
+def test_step_spec_names_a_bad_mode_before_any_child_runs():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        StepSpec("resnet", 8, mode="2-bit")
+
+
 def test_peak_memory_child_grows_with_batch():
     small = spec_peak_memory(StepSpec("resnet", 32, model_kwargs={"width": 16}, steps=1))
     large = spec_peak_memory(StepSpec("resnet", 1024, model_kwargs={"width": 16}, steps=1))

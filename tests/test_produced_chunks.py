@@ -78,8 +78,8 @@ def _norm_grads(layer, x, grad):
 def test_norms_normalized_copy_in_chunks(make, shape, monkeypatch):
     """The norms' normalized copy x_hat made and quantized in chunks: with round-to-nearest the
     gradients equal those of the whole-map path bit for bit, and at 8 bits they match fp32.
-    (Batch norm on the CPU normalizes inside the quantizer instead, tests/
-    test_quantize_normalized.py; the chunks are what it does elsewhere, so that is off here.)"""
+    (On the CPU the norms normalize inside the quantizer instead, tests/
+    test_quantize_normalized.py; the chunks are what they do elsewhere, so that is off here.)"""
     import copy
 
     import actnn_zoo as az
