@@ -275,7 +275,7 @@ void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, co
       const int64_t start = g * group_size;
       const int64_t len = std::min(group_size, d - start);
       Affine row = a;  // this row's statistics
-      if (kAffine) {
+      if constexpr (kAffine) {
         row.shift = a.shift + n * a.row_stride;
         row.scale = a.scale + n * a.row_stride;
       }

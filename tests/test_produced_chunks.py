@@ -85,7 +85,7 @@ def test_norms_normalized_copy_in_chunks(make, shape, monkeypatch):
     import actnn_zoo as az
     import actnn_zoo.functional._saving as saving
 
-    monkeypatch.setattr(saving, "has_normalized_kernel", lambda device: False)
+    monkeypatch.setattr(saving, "normalizes_in_kernel", lambda *args: False)
 
     torch.manual_seed(0)
     ref = make()

@@ -127,8 +127,8 @@ def test_norms_use_it_with_the_same_seeds_and_gradients(monkeypatch, capture, st
     monkeypatch.setattr(saving, "quantize_normalized", counting)
 
     def grads(fused: bool):
-        monkeypatch.setattr(saving, "has_normalized_kernel",
-                            api.has_normalized_kernel if fused else (lambda device: False))
+        monkeypatch.setattr(saving, "normalizes_in_kernel",
+                            api.normalizes_in_kernel if fused else (lambda *args: False))
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                               nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),

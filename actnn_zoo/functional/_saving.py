@@ -11,7 +11,7 @@ from ..capture.session import active_session
 from ..config import LayerQConfig
 from ..quant import (Bits, QuantizedTensor, SampleBits, dequantize_rows, quantize,
                      quantize_normalized)
-from ..quant.api import _stat_layout, has_normalized_kernel
+from ..quant.api import normalizes_in_kernel
 from ..quant.tensor import CompressedPayload
 from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
                               uses_division)
@@ -54,10 +54,8 @@ def compress_normalized(x: Tensor, mean: Tensor, invstd: Tensor, qconfig: LayerQ
     contiguous float32/16 input); else None, and the caller makes the copy. Why: norms save
     their normalized input, and making it took two passes over the map before the quantizer's
     (docs/design.md, "The step's time")."""
-    if not (x.dim() >= 2 and qconfig.compressor == "quant" and qconfig.transform == "none"
-            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and x.is_contiguous() and has_normalized_kernel(x.device)
-            and mean.shape == invstd.shape and _stat_layout(x, mean) is not None):
+    if not (qconfig.compressor == "quant" and qconfig.transform == "none"
+            and normalizes_in_kernel(x, mean, invstd)):
         return None
     return quantize_normalized(x, mean, invstd, qconfig.bits if bits is None else bits,
                                qconfig.group_size, rounding=qconfig.rounding)

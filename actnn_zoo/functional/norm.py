@@ -91,10 +91,11 @@ def _normalize(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
 def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: LayerQConfig,
                          bits: Bits, maps: bool):
     """``compress(_normalize(xc, mean, invstd))``. On the CPU: normalized on the way into the
-    quantizer (``_saving.compress_normalized``), the copy never made. Otherwise the normalized copy is made and quantized a chunk of samples at a time when
-    large (``compress_produced``): the forward never holds it whole next to the layer's input
-    and output. Statistics with a sample dim are sliced with it. ``maps``: channels-first
-    (batch and group norm) or features last (layer norm)."""
+    quantizer (``_saving.compress_normalized``), the copy never made. Otherwise the normalized
+    copy is made and quantized a chunk of samples at a time when large (``compress_produced``):
+    the forward never holds it whole next to the layer's input and output. Statistics with a
+    sample dim are sliced with it. ``maps``: channels-first (batch and group norm) or features
+    last (layer norm)."""
     n = xc.shape[0] if xc.dim() >= 2 else 1
     q = compress_normalized(xc, mean, invstd, qconfig, bits)
     if q is not None:  # normalized on the way into the quantizer (CPU)

@@ -204,17 +204,28 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
                 zero_exact)
         return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
                                transform=transform, transform_seed=tseed, zero_exact=zero_exact)
-    row_bits, _ = _row_bits(bits, n, x.device)
-    check_sample_bits(bits, validate)
-    offsets = kernels(x.device).row_offsets(d, row_bits)
+    row_bits, offsets, total, _ = _rows_layout(bits, n, d, x.device, validate)
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
         data, lo, step = kernels(x.device).quantize(
-            rows.contiguous(), row_bits, offsets, _capacity(bits, offsets, n, d), group_size,
-            seed & 0xFFFFFFFF, stochastic, zero_exact)
+            rows.contiguous(), row_bits, offsets, total, group_size, seed & 0xFFFFFFFF,
+            stochastic, zero_exact)
     return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
                            row_bits, offsets, transform, tseed, zero_exact)
+
+
+def _rows_layout(bits: Bits, n: int, d: int, device: torch.device, validate: Optional[bool]
+                 ) -> Tuple[Tensor, Tensor, int, Optional[int]]:
+    """(row widths, row byte offsets, bytes to allocate, the one width or None) of ``n`` rows of
+    ``d`` codes at ``bits``, as the general kernel entries take them. One width: the capacity
+    from host ints; per-sample widths: ``_capacity`` (no device read for SampleBits)."""
+    row_bits, uniform = _row_bits(bits, n, device)
+    check_sample_bits(bits, validate)
+    offsets = kernels(device).row_offsets(d, row_bits)
+    total = n * ((d * uniform + 7) // 8) if uniform is not None else \
+        _capacity(bits, offsets, n, d)
+    return row_bits, offsets, total, uniform
 
 
 def _empty_codes(n: int, d: int, group_size: int, device: torch.device
@@ -230,12 +241,20 @@ def has_normalized_kernel(device: torch.device) -> bool:
     return device.type == "cpu" and getattr(kernels(device), "quantize_affine", None) is not None
 
 
-def _stat_layout(x: Tensor, stat: Tensor) -> Optional[Tuple[int, int]]:
+def normalizes_in_kernel(x: Tensor, mean: Tensor, invstd: Tensor) -> bool:
+    """Whether :func:`quantize_normalized` takes these arguments and normalizes inside the
+    compiled kernel (CPU, contiguous float32/16 ``x``, statistics of a supported shape);
+    otherwise a caller that can make the copy its own way (in chunks) should."""
+    return (has_normalized_kernel(x.device) and x.dtype in SUPPORTED_DTYPES and x.dim() >= 2
+            and x.is_contiguous() and _stat_layout(x, mean, invstd) is not None)
+
+
+def _stat_layout(x: Tensor, stat: Tensor, other: Tensor) -> Optional[Tuple[int, int]]:
     """(row_stride, block) of the kernel's statistics index ``n * row_stride + p / block`` for
-    a statistic broadcasting against ``x`` that varies only over a leading run of its dims,
-    the sample dim optional (per channel: (1, C, 1, ...); per row of a layer norm: (N, ..., 1,
-    ...); per (sample, channel)); None for any other shape."""
-    if stat.dim() != x.dim():
+    statistics ``stat`` and ``other`` of one shape, broadcasting against ``x`` and varying only
+    over a leading run of its dims, the sample dim optional (per channel: (1, C, 1, ...); per
+    row of a layer norm: (N, ..., 1, ...); per (sample, channel)); None for any other shape."""
+    if stat.dim() != x.dim() or other.shape != stat.shape:
         return None
     varying = [i for i, s in enumerate(stat.shape) if s != 1]
     stop = varying[-1] + 1 if varying else 1  # dims from stop on share one statistic
@@ -266,8 +285,8 @@ def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
     if x.dim() < 2 or not x.is_contiguous():
         raise ValueError(f"quantize_normalized needs a contiguous tensor of 2 or more dims, "
                          f"got shape {tuple(x.shape)}, strides {x.stride()}")
-    layout = _stat_layout(x, mean)
-    if layout is None or mean.shape != invstd.shape:
+    layout = _stat_layout(x, mean, invstd)
+    if layout is None:
         raise ValueError(f"mean and invstd must have one shape, per channel (1, C, 1, ...) or "
                          f"per row (N, ..., 1, ...) of x {tuple(x.shape)}; got "
                          f"{tuple(mean.shape)} and {tuple(invstd.shape)}")
@@ -276,20 +295,15 @@ def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
         return quantize(x_hat, bits, group_size, seed=seed, rounding=rounding, validate=validate)
     rows = as_rows(x.detach())
     n, d = rows.shape
-    row_bits, uniform = _row_bits(bits, n, x.device)
-    check_sample_bits(bits, validate)
-    k = kernels(x.device)
-    offsets = k.row_offsets(d, row_bits)
+    row_bits, offsets, total, uniform = _rows_layout(bits, n, d, x.device, validate)
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
-        total = n * ((d * uniform + 7) // 8) if uniform is not None else \
-            _capacity(bits, offsets, n, d)  # one width: from host ints, no read of offsets
         shift = mean.detach().float().reshape(-1).contiguous()
         scale = invstd.detach().float().reshape(-1).contiguous()
-        data, lo, step = k.quantize_affine(rows, shift, scale, layout[0], layout[1], row_bits,
-                                           offsets, total, group_size, seed & 0xFFFFFFFF,
-                                           rounding == "stochastic")
+        data, lo, step = kernels(x.device).quantize_affine(
+            rows, shift, scale, layout[0], layout[1], row_bits, offsets, total, group_size,
+            seed & 0xFFFFFFFF, rounding == "stochastic")
     if uniform is not None:
         return QuantizedTensor(data, lo, step, x.shape, torch.float32, uniform, group_size)
     return QuantizedTensor(data, lo, step, x.shape, torch.float32, None, group_size, row_bits,
