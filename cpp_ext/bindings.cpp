@@ -19,6 +19,7 @@ namespace actnn_zoo {
 void register_division(pybind11::module_& m);  // division_cpu.cpp
 void register_pack_compare(pybind11::module_& m);  // pack_compare_cpu.cpp
 void register_sparse(pybind11::module_& m);  // sparse_cpu.cpp
+void register_norm(pybind11::module_& m);  // norm_cpu.cpp
 }  // namespace actnn_zoo
 
 namespace {
@@ -283,6 +284,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   actnn_zoo::register_division(m);  // division_quantize, division_dequantize
   actnn_zoo::register_pack_compare(m);
   actnn_zoo::register_sparse(m);  // quantize_sparse, dequantize_sparse (CPU)
+  actnn_zoo::register_norm(m);  // batch_norm_backward_codes (CPU)
   m.def("cpu_isa", &actnn_zoo::cpu_isa,
         "The instruction set the CPU kernels' loops run with: 'avx2' or 'baseline' (portable "
         "build, chosen at the first call from the CPU and ACTNN_ZOO_CPU_ISA), 'native'.");

@@ -9,10 +9,11 @@ from torch import Tensor
 
 from ..capture.session import active_session
 from ..config import LayerQConfig
-from ..quant import (Bits, QuantizedTensor, SampleBits, dequantize_rows, quantize,
-                     quantize_normalized)
+from ..quant import Bits, QuantizedTensor, SampleBits, quantize, quantize_normalized
+from ..quant import dequantize_rows as _dequantize_rows
 from ..quant.api import normalizes_in_kernel
-from ..quant.tensor import CompressedPayload
+from ..quant.sparse import dequantize_sparse_rows, rows_decodable
+from ..quant.tensor import CompressedPayload, SparseQuantizedTensor
 from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
                               uses_division)
 
@@ -141,16 +142,18 @@ CHUNK_MIN_BYTES = 1 << 20
 
 def sample_chunks(item: Saved, chunks: int) -> List[Tuple[int, int]]:
     """Sample ranges in which a backward decodes ``item`` (a saved input), or [] to decode it
-    whole: whole when ``chunks`` <= 1, when it is not a QuantizedTensor of at least 2 samples
-    and ``CHUNK_MIN_BYTES`` decoded, and when backward is itself differentiated
+    whole: whole when ``chunks`` <= 1, when it is not a QuantizedTensor (or sparse codes whose
+    samples fill whole bytes of their mask) of at least 2 samples and ``CHUNK_MIN_BYTES`` decoded, and when backward is itself differentiated
     (``create_graph=True``, the graph would keep every chunk alive anyway).
 
     Why: the backward of a layer that reads its input only through a sum over samples (conv and
     linear weight gradients) then holds ``1/chunks`` of the decoded input at a time instead of a
     whole map, which is what set the step's peak (docs/design.md, "The step's peak").
     """
-    if chunks <= 1 or not isinstance(item, QuantizedTensor) or len(item.shape) < 2 \
-            or torch.is_grad_enabled():
+    if chunks <= 1 or len(getattr(item, "shape", ())) < 2 or torch.is_grad_enabled():
+        return []
+    if not (isinstance(item, QuantizedTensor)
+            or (isinstance(item, SparseQuantizedTensor) and rows_decodable(item))):
         return []
     n = item.shape[0]
     if n < 2 or item.numel() * item.dtype.itemsize < CHUNK_MIN_BYTES:
@@ -158,6 +161,15 @@ def sample_chunks(item: Saved, chunks: int) -> List[Tuple[int, int]]:
     k = min(chunks, n)
     bounds = [n * i // k for i in range(k + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def dequantize_rows(item: Union[QuantizedTensor, SparseQuantizedTensor], start: int,
+                    stop: int) -> Tensor:
+    """Samples ``start:stop`` of a payload :func:`sample_chunks` accepted, decoded: plain codes
+    (``quant.dequantize_rows``) or a ReLU output's sparse codes (``dequantize_sparse_rows``)."""
+    if isinstance(item, SparseQuantizedTensor):
+        return dequantize_sparse_rows(item, start, stop)
+    return _dequantize_rows(item, start, stop)
 
 
 # A tensor made only to be compressed (an activation's derivative) is made and quantized this

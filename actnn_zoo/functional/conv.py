@@ -190,14 +190,17 @@ class ConvFunction(torch.autograd.Function):
                         gb = gb_c if gb is None else gb.add_(gb_c)
             elif need_x or need_w:
                 # Bias grad comes with the weight grad (oneDNN computes them together); alone,
-                # it is just a sum, done below.
-                mask = [need_x, need_w, need_b and need_w]
-                # Only the input gradient wanted: the op reads the input's shape, not values.
-                x = decoded() if need_w else go.new_empty(()).expand(padded_shape)
-                gi, gw, gb = conv_backward(go, x, mask)
-                del x
-                gi = gi if need_x else None
-                gw = gw if need_w else None
+                # it is just a sum, done below. The weight gradient first, from the decoded
+                # input, which is freed before the input gradient exists: the backward then
+                # holds grad_out and one map more, not two (docs/design.md, "The step's peak").
+                if need_w:
+                    x = decoded()
+                    _, gw, gb = conv_backward(go, x, [False, True, need_b])
+                    del x
+                if need_x:
+                    # The op reads the input's shape, not its values, for the input gradient.
+                    shape_only = go.new_empty(()).expand(padded_shape)
+                    gi = conv_backward(go, shape_only, [True, False, False])[0]
             if need_w:
                 gw = guard_second_order(gw, weight, f"{layer} weight gradient", need_x)
             if need_b and not need_w:

@@ -162,8 +162,8 @@ class LinearFunction(torch.autograd.Function):
         with no_autocast(grad_out.device.type):
             go = cast(grad_out, dt)
             go2 = go.reshape(-1, go.shape[-1])
-            if need_x:
-                gi = go.matmul(cast(weight, dt))
+            # The weight gradient first: the decoded input is freed before the input gradient
+            # exists, so the backward holds one map less (docs/design.md, "The step's peak").
             if need_w:
                 chunks = sample_chunks(x_q, ctx.chunks)
                 if chunks:  # sum over samples, one decoded chunk at a time (_saving)
@@ -177,6 +177,8 @@ class LinearFunction(torch.autograd.Function):
                     x2 = cast(restore(x_q), dt)
                     gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
                 gw = guard_second_order(gw, weight, "QLinear weight gradient", need_x)
+            if need_x:
+                gi = go.matmul(cast(weight, dt))
             if need_b:
                 gb = go2.sum(0)
         return cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor
+from ..quant.norm_backward import batch_norm_backward_codes, reads_codes
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
                       restore, sample_chunks, save)
 from .linear import cast, dtype_of, first_order_only, memory_format_of, no_autocast
@@ -166,7 +167,10 @@ class BatchNormFunction(torch.autograd.Function):
         with no_autocast(grad_out.device.type):
             go = cast(grad_out, dt)
             chunks = sample_chunks(x_q, ctx.chunks)
-            if chunks:
+            if x_q is not None and reads_codes(go, x_q, invstd, cast(weight, dt)):
+                # from the codes: no decoded x_hat, no aten temporary (quant/norm_backward.py)
+                gi, gw, gb = batch_norm_backward_codes(go, x_q, invstd, cast(weight, dt), need_x)
+            elif chunks:
                 gi, gw, gb = _bn_backward_by_chunks(go, x_q, invstd, weight, chunks, ctx.x_format,
                                                     need_x)
             elif x_q is not None:

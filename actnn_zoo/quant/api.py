@@ -382,6 +382,23 @@ def dequantize(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
     return out
 
 
+def rows_out(q, start: int, stop: int, out: Optional[Tensor]) -> Tensor:
+    """The buffer samples ``start:stop`` of a payload ``q`` (with a sample dimension) decode
+    into: ``out`` when it is a contiguous tensor of that shape, dtype and device, a new one when
+    None; a bad range or buffer raises, naming it."""
+    n = q.shape[0]
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= n):
+        raise ValueError(f"rows {start}:{stop} are not a range of the {n} samples")
+    shape = (stop - start,) + tuple(q.shape[1:])
+    if out is None:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    if tuple(out.shape) != shape or out.dtype != q.dtype or not out.is_contiguous() \
+            or out.device != q.device:
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {shape} on "
+                         f"{q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
 def dequantize_rows(q: QuantizedTensor, start: int, stop: int, out: Optional[Tensor] = None,
                     validate: Optional[bool] = None) -> Tensor:
     """Samples ``start:stop`` (dim 0) of ``q``, decoded: shape ``(stop - start, *q.shape[1:])``.
@@ -397,22 +414,13 @@ def dequantize_rows(q: QuantizedTensor, start: int, stop: int, out: Optional[Ten
     if len(q.shape) < 2:
         raise ValueError(f"dequantize_rows needs a tensor with a sample dimension, got shape "
                          f"{tuple(q.shape)}")
-    n = q.shape[0]
-    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= n):
-        raise ValueError(f"rows {start}:{stop} are not a range of the {n} samples")
-    shape = (stop - start,) + tuple(q.shape[1:])
-    if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != shape or out.dtype != q.dtype or not out.is_contiguous() \
-            or out.device != q.device:
-        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {shape} on "
-                         f"{q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    out = rows_out(q, start, stop, out)
     if out.numel():
         if q.transform == "hadamard":  # the signs depend on the column only: rows invert alone
-            rows = torch.empty(shape, dtype=torch.float32, device=q.device)
+            rows = torch.empty(out.shape, dtype=torch.float32, device=q.device)
             _dequantize_rows_into(q, start, stop, as_rows(rows), validate)
             out.copy_(hadamard_(as_rows(rows), q.group_size, q.transform_seed,
-                                inverse=True).view(shape))
+                                inverse=True).view(out.shape))
         else:
             _dequantize_rows_into(q, start, stop, as_rows(out), validate)
     return out

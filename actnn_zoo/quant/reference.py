@@ -18,7 +18,7 @@ Layout (see docs/design.md, the quantization contract):
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -301,6 +301,29 @@ def dequantize(data: Tensor, lo: Tensor, step: Tensor, bits: Tensor, offsets: Te
     zval = torch.where(q == 0, 0.0, (q - 1.0) * (-st) + lo_e)
     out.copy_(torch.where(zg, zval, plain))
     return out
+
+
+def batch_norm_backward_codes(grad: Tensor, data: Tensor, lo: Tensor, step: Tensor,
+                              bits: Tensor, offsets: Tensor, group_size: int, invstd: Tensor,
+                              weight: Optional[Tensor], need_input: bool
+                              ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """Training batch norm's backward from the codes of x_hat: ``grad`` (N, C, S) float32, the
+    codes of rows of C * S values. Per channel over its m = N * S values: gb = sum g,
+    gw = sum g * x_hat, gi = (g - gb / m - x_hat * gw / m) * invstd * weight (the formula of
+    ``native_batch_norm_backward`` written in x_hat). Sums in float64 here; the kernel's are
+    float32 lanes added in float64, so the two agree to float rounding, not bit for bit."""
+    n, c, s = grad.shape
+    x = dequantize(data, lo, step, bits, offsets, group_size,
+                   torch.empty(n, c * s, dtype=torch.float32, device=grad.device)).view(n, c, s)
+    g64, x64 = grad.double(), x.double()
+    gb, gw = g64.sum((0, 2)), (g64 * x64).sum((0, 2))
+    gi = None
+    if need_input:
+        m = float(n * s)
+        scale = invstd if weight is None else invstd * weight
+        gi = ((grad - (gb / m).float()[:, None]) - x * (gw / m).float()[:, None]) \
+            * scale[:, None]
+    return gi, gw.float(), gb.float()
 
 
 def uniform_offsets(n: int, d: int, bits: int, device: torch.device, first: int = 0) -> Tensor:

@@ -23,11 +23,12 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .api import Bits, _row_bits, as_rows, check_quantize_args, check_sample_bits
+from .api import Bits, _row_bits, as_rows, check_quantize_args, check_sample_bits, rows_out
 from .backend import kernels
 from .tensor import SparseQuantizedTensor
 
-__all__ = ["quantize_sparse", "dequantize_sparse", "sparse_kernels"]
+__all__ = ["quantize_sparse", "dequantize_sparse", "dequantize_sparse_rows", "rows_decodable",
+           "sparse_kernels"]
 
 
 def sparse_kernels(device: torch.device):
@@ -74,4 +75,35 @@ def dequantize_sparse(q: SparseQuantizedTensor) -> Tensor:
         return out
     sparse_kernels(q.device).dequantize_sparse(q.data, q.lo, q.step, q.mask, q.row_bits,
                                                q.offsets, q.group_size, as_rows(out))
+    return out
+
+
+def rows_decodable(q: SparseQuantizedTensor) -> bool:
+    """Whether :func:`dequantize_sparse_rows` can decode ``q`` a few samples at a time: it has a
+    sample dimension and each sample's mask bits fill whole bytes (values per sample a multiple
+    of 8), so a range of samples is a range of the mask's bytes."""
+    return len(q.shape) >= 2 and q.shape[1:].numel() % 8 == 0
+
+
+def dequantize_sparse_rows(q: SparseQuantizedTensor, start: int, stop: int,
+                           out: Optional[Tensor] = None) -> Tensor:
+    """Samples ``start:stop`` of ``q`` decoded, as ``dequantize_sparse(q)[start:stop]`` (value
+    for value) without decoding the others: what ``quant.dequantize_rows`` does for plain codes,
+    so that a backward summing over samples (a conv's weight gradient) holds one chunk of its
+    input at a time. Needs :func:`rows_decodable`; the codes are addressed through absolute row
+    offsets, so nothing is copied."""
+    if not isinstance(q, SparseQuantizedTensor):
+        raise TypeError(f"dequantize_sparse_rows expects a SparseQuantizedTensor, got "
+                        f"{type(q).__name__}")
+    if not rows_decodable(q):
+        raise ValueError(f"codes of shape {tuple(q.shape)} cannot be decoded by samples: the "
+                         "values per sample must be a multiple of 8")
+    out = rows_out(q, start, stop, out)
+    if out.numel() == 0:
+        return out
+    row_bytes = q.shape[1:].numel() // 8
+    sparse_kernels(q.device).dequantize_sparse(
+        q.data, q.lo[start:stop], q.step[start:stop],
+        q.mask[start * row_bytes:stop * row_bytes], q.row_bits[start:stop],
+        q.offsets[start:stop + 1], q.group_size, as_rows(out))
     return out

@@ -1,0 +1,72 @@
+"""Batch norm's training backward read from the codes of its saved normalized input.
+
+Why (docs/design.md, "The step's peak"): a QBatchNorm saves x_hat quantized. Decoding it, turning
+it back into x and calling ``native_batch_norm_backward`` held three full maps next to the
+incoming gradient (the decoded copy, the input gradient and a temporary of aten's); at the stem
+of the CNN that set the peak of the whole step. :func:`batch_norm_backward_codes` reads the
+codes a group at a time and holds only the input gradient it returns, in two passes over the
+gradient and the codes instead of five over float maps.
+
+CPU kernel ``cpp_ext/norm_cpu.cpp``; elsewhere (and without the extension) the torch formula
+:func:`actnn_zoo.quant.reference.batch_norm_backward_codes`, which decodes x_hat whole.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .backend import kernels
+from .tensor import QuantizedTensor
+
+__all__ = ["batch_norm_backward_codes", "reads_codes"]
+
+
+def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor]) -> bool:
+    """Whether :func:`batch_norm_backward_codes` applies: a plain QuantizedTensor (no rotation)
+    of ``grad``'s shape, float32 gradient, statistics and weight, a gradient that is contiguous
+    in (N, C, *spatial) order (channels-last is left to aten), on the CPU with the compiled
+    kernel (elsewhere the formula would decode x_hat whole: no better than aten's path)."""
+    return (isinstance(q, QuantizedTensor) and q.transform == "none"
+            and grad.device.type == "cpu" and grad.dim() >= 2
+            and grad.dtype == torch.float32 and invstd.dtype == torch.float32
+            and (weight is None or weight.dtype == torch.float32)
+            and tuple(grad.shape) == tuple(q.shape) and grad.is_contiguous()
+            and getattr(kernels(grad.device), "batch_norm_backward_codes", None) is not None)
+
+
+def batch_norm_backward_codes(grad: Tensor, q: QuantizedTensor, invstd: Tensor,
+                              weight: Optional[Tensor] = None, need_input: bool = True
+                              ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """(grad_input, grad_weight, grad_bias) of training-mode batch norm, from ``grad`` (N, C,
+    *spatial) and ``q``, the codes of its normalized input x_hat = (x - mean) * invstd, in
+    float32: per channel gb = sum g, gw = sum g * x_hat and gi = (g - gb / m - x_hat * gw / m)
+    * invstd * weight (m values per channel), what ``native_batch_norm_backward`` computes from
+    x. grad_input is None when ``need_input`` is False. Equal to that formula on the decoded
+    x_hat up to float rounding (the sums run in float32 lanes added in float64)."""
+    if not isinstance(q, QuantizedTensor) or q.transform != "none":
+        raise TypeError("batch_norm_backward_codes needs a QuantizedTensor without a transform")
+    if grad.dim() < 2 or tuple(grad.shape) != tuple(q.shape):
+        raise ValueError(f"gradient of shape {tuple(grad.shape)} for codes of {tuple(q.shape)}"
+                         " (need the same (N, C, *spatial) shape)")
+    n, c = grad.shape[0], grad.shape[1]
+    for name, t in (("invstd", invstd), ("weight", weight)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != c):
+            raise ValueError(f"{name} must have shape ({c},), got {tuple(t.shape)}")
+    g3 = grad.contiguous().view(n, c, -1)
+    if q.mixed:
+        row_bits, offsets = q.row_bits, q.offsets
+    else:
+        d = g3.shape[1] * g3.shape[2]
+        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
+        row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
+    fn = getattr(kernels(grad.device), "batch_norm_backward_codes", None)
+    if fn is None or grad.device.type != "cpu" or not all(
+            t.dtype == torch.float32 for t in (grad, invstd, weight) if t is not None):
+        fn = reference.batch_norm_backward_codes
+    gi, gw, gb = fn(g3, q.data, q.lo, q.step, row_bits, offsets, q.group_size,
+                    invstd.contiguous(), None if weight is None else weight.contiguous(),
+                    need_input)
+    return (gi.view(grad.shape) if gi is not None else None), gw, gb

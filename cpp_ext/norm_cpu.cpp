@@ -1,0 +1,245 @@
+// Batch norm's training backward read from the codes of its saved x_hat (CPU).
+//
+// QBatchNorm saves x_hat = (x - mean) * invstd quantized. Decoding it into a float map, turning
+// that back into x and calling aten's native_batch_norm_backward held three full maps next to
+// grad_out (the decoded copy, grad_in and a temporary of aten's) and made five passes over
+// them. Here the codes are decoded a group at a time into a buffer on the stack and used at
+// once, in the formula written in x_hat (per channel c, m values):
+//   gb = sum g,   gw = sum g * x_hat,   gi = (g - gb / m - x_hat * gw / m) * invstd * w
+// (reference.batch_norm_backward_codes): two passes over grad and the codes, one write.
+//
+// Sums: each (sample, channel) plane is summed in 16 float lanes (lane k takes the values k,
+// k + 16, ...; a fixed order whatever the vector width, so the AVX2 and the portable builds
+// agree bit for bit), the lanes added in double, the planes of a channel added in double in
+// sample order. gi is elementwise.
+#include "kernels.h"
+#include "decode_cpu.h"
+#include "isa_cpu.h"
+#include "tasks_cpu.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace actnn_zoo {
+namespace {
+
+constexpr int kLanes = 16;
+
+// Values of the groups of row n covering [start, start + len) decoded into out (the range
+// starts at a group boundary).
+AZ_INLINE void decode_groups(const uint8_t* row, int b, const uint16_t* lo, const uint16_t* step,
+                             int64_t first_group, int64_t start, int64_t len, int64_t group_size,
+                             float* out) {
+  for (int64_t e = 0; e < len; e += group_size) {
+    const int64_t g = first_group + e / group_size;
+    const int64_t n = std::min(group_size, len - e);
+    dequantize_group_any<float>(b, row + (start + e) * b / 8, n, bf16_value(lo[g]), step[g],
+                                out + e);
+  }
+}
+
+// Per lane sums of g and g * x over n values, added to s[0..15] and sx[0..15].
+AZ_INLINE void lane_sums(const float* __restrict g, const float* __restrict x, int64_t n,
+                         float* __restrict s, float* __restrict sx) {
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) {
+      s[k] += g[e + k];
+      sx[k] += g[e + k] * x[e + k];
+    }
+  }
+  for (int k = 0; e + k < n; ++k) {
+    s[k] += g[e + k];
+    sx[k] += g[e + k] * x[e + k];
+  }
+}
+
+// Pass 1: sum g and sum g * x_hat of every (sample, channel) plane, in double, into part.
+// Rows are split over tasks; a row's groups are decoded in blocks of whole groups.
+void plane_sums(const float* grad, const uint8_t* data, const uint16_t* lo, const uint16_t* step,
+                const uint8_t* bits, const int64_t* offsets, int64_t n_rows, int64_t c,
+                int64_t s, int64_t group_size, double* part) {
+  const int64_t d = c * s;
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  const int64_t block = std::max<int64_t>(1, 4096 / group_size) * group_size;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(d, 1));
+  parallel_tasks(n_rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(std::min(block, d)));
+    for (int64_t n = begin; n < end; ++n) {
+      const float* gr = grad + n * d;
+      double* p = part + 2 * n * c;
+      std::fill(p, p + 2 * c, 0.0);
+      alignas(64) float acc[kLanes], accx[kLanes];
+      std::fill(acc, acc + kLanes, 0.0f);
+      std::fill(accx, accx + kLanes, 0.0f);
+      int64_t ch = 0;  // channel of the next value
+      int64_t ch_end = s;  // where that channel's plane ends
+      for (int64_t start = 0; start < d; start += block) {
+        const int64_t len = std::min(block, d - start);
+        decode_groups(data + offsets[n], bits[n], lo + n * g_per_row, step + n * g_per_row,
+                      start / group_size, start, len, group_size, buf.data());
+        int64_t pos = start;
+        while (pos < start + len) {
+          const int64_t stop = std::min(start + len, ch_end);
+          lane_sums(gr + pos, buf.data() + (pos - start), stop - pos, acc, accx);
+          pos = stop;
+          if (pos == ch_end) {  // the plane is complete: its lanes, in order, in double
+            double t = 0.0, tx = 0.0;
+            for (int k = 0; k < kLanes; ++k) {
+              t += acc[k];
+              tx += accx[k];
+            }
+            p[2 * ch] = t;
+            p[2 * ch + 1] = tx;
+            std::fill(acc, acc + kLanes, 0.0f);
+            std::fill(accx, accx + kLanes, 0.0f);
+            ++ch;
+            ch_end += s;
+          }
+        }
+      }
+    }
+  });
+}
+
+// Pass 2: gi = (g - mg[c] - x_hat * kx[c]) * sc[c], a group at a time.
+void input_grad(const float* grad, const uint8_t* data, const uint16_t* lo, const uint16_t* step,
+                const uint8_t* bits, const int64_t* offsets, int64_t n_rows, int64_t c,
+                int64_t s, int64_t group_size, const float* mg, const float* kx,
+                const float* sc, float* gi) {
+  const int64_t d = c * s;
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / group_size);
+  parallel_tasks(n_rows * g_per_row, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(std::min(group_size, d)));
+    for (int64_t id = begin; id < end; ++id) {
+      const int64_t n = id / g_per_row;
+      const int64_t start = (id - n * g_per_row) * group_size;
+      const int64_t len = std::min(group_size, d - start);
+      decode_groups(data + offsets[n], bits[n], lo + n * g_per_row, step + n * g_per_row,
+                    start / group_size, start, len, group_size, buf.data());
+      const float* gr = grad + n * d + start;
+      float* out = gi + n * d + start;
+      int64_t pos = 0;
+      while (pos < len) {
+        const int64_t ch = (start + pos) / s;
+        const int64_t stop = std::min(len, (ch + 1) * s - start);
+        const float m = mg[ch], k = kx[ch], f = sc[ch];
+        const float* x = buf.data();
+#pragma omp simd
+        for (int64_t e = pos; e < stop; ++e) {
+          const float t = gr[e] - m;
+          const float u = x[e] * k;
+          out[e] = (t - u) * f;
+        }
+        pos = stop;
+      }
+    }
+  });
+}
+
+void check_stat(const at::Tensor& t, const char* name, int64_t c) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == c && t.is_contiguous(), name,
+              " must be a contiguous (", c, ",) tensor, got shape ", t.sizes());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+    const at::Tensor& invstd, const std::optional<at::Tensor>& weight, bool need_input) {
+  TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
+  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
+              grad.scalar_type());
+  TORCH_CHECK(grad.dim() == 3 && grad.is_contiguous(),
+              "grad must be a contiguous (N, C, S) tensor, got shape ", grad.sizes());
+  const int64_t n_rows = grad.size(0), c = grad.size(1), s = grad.size(2);
+  const int64_t d = c * s;
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 1 &&
+              data.is_contiguous(), "data must be a contiguous 1-d uint8 CPU tensor");
+  check_group_size(group_size);
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  for (const at::Tensor* t : {&lo, &step}) {
+    const char* name = t == &lo ? "lo" : "step";
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 2 &&
+                t->size(0) == n_rows && t->size(1) == g_per_row && t->is_contiguous(), name,
+                " must be a contiguous bfloat16 CPU tensor of shape (", n_rows, ", ", g_per_row,
+                "), got ", t->scalar_type(), " ", t->sizes());
+  }
+  check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
+  check_stat(invstd, "invstd", c);
+  if (weight.has_value()) check_stat(*weight, "weight", c);
+
+  at::Tensor part = at::empty({n_rows, c, 2}, grad.options().dtype(at::kDouble));
+  at::Tensor gw = at::zeros({c}, grad.options());
+  at::Tensor gb = at::zeros({c}, grad.options());
+  at::Tensor gi = need_input ? at::empty_like(grad) : at::Tensor();
+  if (n_rows == 0 || d == 0) {
+    if (need_input) gi.zero_();
+    return {gi, gw, gb};
+  }
+  const float* g = grad.data_ptr<float>();
+  const uint8_t* in = data.data_ptr<uint8_t>();
+  const uint16_t* lo_p = reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>());
+  const uint16_t* step_p = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
+  const uint8_t* b = bits.data_ptr<uint8_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  double* p = part.data_ptr<double>();
+  plane_sums(g, in, lo_p, step_p, b, off, n_rows, c, s, group_size, p);
+
+  // Channel totals in sample order (deterministic), then the per-channel factors of gi.
+  std::vector<float> mg(c), kx(c), sc(c);
+  float* gw_p = gw.data_ptr<float>();
+  float* gb_p = gb.data_ptr<float>();
+  const float* inv = invstd.data_ptr<float>();
+  const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
+  const double count = static_cast<double>(n_rows) * static_cast<double>(s);
+  for (int64_t ch = 0; ch < c; ++ch) {
+    double t = 0.0, tx = 0.0;
+    for (int64_t n = 0; n < n_rows; ++n) {
+      t += p[2 * (n * c + ch)];
+      tx += p[2 * (n * c + ch) + 1];
+    }
+    gb_p[ch] = static_cast<float>(t);
+    gw_p[ch] = static_cast<float>(tx);
+    mg[ch] = static_cast<float>(t / count);
+    kx[ch] = static_cast<float>(tx / count);
+    sc[ch] = w != nullptr ? inv[ch] * w[ch] : inv[ch];
+  }
+  if (need_input) {
+    input_grad(g, in, lo_p, step_p, b, off, n_rows, c, s, group_size, mg.data(), kx.data(),
+               sc.data(), gi.data_ptr<float>());
+  }
+  return {gi, gw, gb};
+}
+
+void register_norm(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("batch_norm_backward_codes",
+        [](const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo,
+           const at::Tensor& step, const at::Tensor& bits, const at::Tensor& offsets,
+           int64_t group_size, const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+           bool need_input) {
+          RECORD_USER_SCOPE("actnn_zoo::batch_norm_backward_codes");
+          return batch_norm_backward_codes_cpu(grad, data, lo, step, bits, offsets, group_size,
+                                               invstd, weight, need_input);
+        },
+        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
+        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("offsets"),
+        py::arg("group_size"), py::arg("invstd"), py::arg("weight"), py::arg("need_input"),
+        "Training batch norm's backward from the codes of its saved x_hat: grad (N, C, S) "
+        "float32 -> (grad_input or None, grad_weight, grad_bias), float32 "
+        "(reference.batch_norm_backward_codes). CPU only.");
+}
+
+}  // namespace actnn_zoo

@@ -1,0 +1,189 @@
+"""Batch norm's backward read from the codes of its saved x_hat (``quant.norm_backward``).
+
+The CPU kernel (``_C.batch_norm_backward_codes``) against its torch twin
+(``reference.batch_norm_backward_codes``, float64 sums on the decoded x_hat) over shapes, widths
+and group sizes (hypothesis); the formula against aten's ``native_batch_norm_backward`` in
+float64; the same bits at one and two threads; bad input; and QBatchNorm taking the path (and
+leaving channels-last gradients to aten) with gradients equal to the decoded path's up to float
+rounding, including a retained graph run twice.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import actnn_zoo.functional.norm as fnorm
+from actnn_zoo import convert_model
+from actnn_zoo.quant import QuantizedTensor, SampleBits, dequantize, quantize, reference
+from actnn_zoo.quant.norm_backward import batch_norm_backward_codes, reads_codes
+
+from _ext import compiled_extension
+
+
+def _codes(n, c, spatial, widths, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    x_hat = torch.randn((n, c) + spatial, generator=g) * 1.5
+    if widths == "sample":
+        b = torch.tensor([2, 4, 1, 8, 2, 2][:n], dtype=torch.uint8)
+        bits = SampleBits(b, int(b.sum()) + 3)
+    else:
+        bits = int(widths)
+    q = quantize(x_hat, bits, group, seed=seed)
+    grad = torch.randn(x_hat.shape, generator=g)
+    invstd = torch.rand(c, generator=g) + 0.5
+    weight = torch.rand(c, generator=g) + 0.5
+    return q, grad, invstd, weight
+
+
+def _reference(grad, q, invstd, weight, need_input=True):
+    n, c = grad.shape[:2]
+    d = grad[0].numel()
+    if q.mixed:
+        row_bits, offsets = q.row_bits, q.offsets
+    else:
+        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
+        row_bits = torch.full((n,), q.bits, dtype=torch.uint8)
+    gi, gw, gb = reference.batch_norm_backward_codes(
+        grad.reshape(n, c, -1), q.data, q.lo, q.step, row_bits, offsets, q.group_size, invstd,
+        weight, need_input)
+    return (gi.view(grad.shape) if gi is not None else None), gw, gb
+
+
+def _close(a, b, what):
+    scale = max(float(b.abs().max()), 1.0) if b.numel() else 1.0
+    assert torch.allclose(a, b, rtol=0, atol=2e-5 * scale), \
+        f"{what}: max diff {float((a - b).abs().max())} at scale {scale}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), c=st.integers(1, 9),
+       spatial=st.sampled_from([(), (1,), (5,), (3, 7), (4, 4), (2, 3, 5)]),
+       widths=st.sampled_from(["1", "2", "4", "8", "sample"]),
+       group=st.sampled_from([8, 32, 64, 256]), seed=st.integers(0, 2 ** 31 - 1),
+       affine=st.booleans(), need_input=st.booleans())
+def test_kernel_matches_the_torch_formula(n, c, spatial, widths, group, seed, affine,
+                                          need_input):
+    compiled_extension()
+    q, grad, invstd, weight = _codes(n, c, spatial, widths, group, seed)
+    w = weight if affine else None
+    assert reads_codes(grad, q, invstd, w)
+    gi, gw, gb = batch_norm_backward_codes(grad, q, invstd, w, need_input)
+    ri, rw, rb = _reference(grad, q, invstd, w, need_input)
+    _close(gw, rw, "grad_weight")
+    _close(gb, rb, "grad_bias")
+    if need_input:
+        assert gi.shape == grad.shape and gi.dtype == torch.float32
+        _close(gi, ri, "grad_input")
+    else:
+        assert gi is None
+
+
+def test_formula_is_aten_batch_norm_backward():
+    """From x = x_hat / invstd + mean, aten's training backward gives the same three gradients
+    (float64, so only the formula is compared)."""
+    q, grad, invstd, weight = _codes(5, 4, (3, 6), "8", 64, 3)
+    x_hat = dequantize(q).double()
+    mean = torch.randn(4, dtype=torch.float64)
+    x = x_hat / invstd.double()[None, :, None, None] + mean[None, :, None, None]
+    gi, gw, gb = torch.ops.aten.native_batch_norm_backward(
+        grad.double(), x, weight.double(), None, None, mean, invstd.double(), True, 1e-5,
+        [True, True, True])
+    ri, rw, rb = _reference(grad.double(), q, invstd.double(), weight.double())
+    assert torch.allclose(ri, gi, atol=1e-9) and torch.allclose(rw, gw.float(), atol=1e-5)
+    assert torch.allclose(rb, gb.float(), atol=1e-5)
+
+
+def test_same_bits_at_any_thread_count():
+    compiled_extension()
+    q, grad, invstd, weight = _codes(6, 5, (9, 11), "sample", 64, 5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = batch_norm_backward_codes(grad, q, invstd, weight)
+        torch.set_num_threads(2)
+        two = batch_norm_backward_codes(grad, q, invstd, weight)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_bad_input_is_named():
+    q, grad, invstd, weight = _codes(3, 4, (5,), "2", 32, 1)
+    with pytest.raises(ValueError, match="shape"):
+        batch_norm_backward_codes(grad[:2], q, invstd, weight)
+    with pytest.raises(ValueError, match="invstd"):
+        batch_norm_backward_codes(grad, q, invstd[:3], weight)
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        batch_norm_backward_codes(grad, grad, invstd, weight)
+    ext = compiled_extension()
+    g3 = grad.reshape(3, 4, -1)
+    off = reference.uniform_offsets(3, 20, 2, grad.device)
+    rb = torch.full((3,), 2, dtype=torch.uint8)
+    with pytest.raises((RuntimeError, ValueError), match="grad must be float32"):
+        ext.batch_norm_backward_codes(g3.double(), q.data, q.lo, q.step, rb, off, 32, invstd,
+                                      weight, True)
+    with pytest.raises((RuntimeError, ValueError), match="lo must be"):
+        ext.batch_norm_backward_codes(g3, q.data, q.lo[:2], q.step, rb, off, 32, invstd,
+                                      weight, True)
+    with pytest.raises((RuntimeError, ValueError), match="does not fit"):
+        ext.batch_norm_backward_codes(g3, q.data[:5], q.lo, q.step, rb, off, 32, invstd,
+                                      weight, True)
+
+
+def _bn_grads(model, x, g, reads: bool, monkeypatch, retain=False):
+    calls = []
+    real = fnorm.batch_norm_backward_codes
+    monkeypatch.setattr(fnorm, "batch_norm_backward_codes",
+                        lambda *a: calls.append(1) or real(*a))
+    if not reads:
+        monkeypatch.setattr(fnorm, "reads_codes", lambda *a: False)
+    xx = x.clone().requires_grad_()
+    torch.manual_seed(0)
+    y = model(xx)
+    y.backward(g, retain_graph=retain)
+    grads = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    if retain:
+        xx.grad = None
+        for p in model.parameters():
+            p.grad = None
+        y.backward(g)
+        again = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+        for a, b in zip(grads, again):
+            assert torch.equal(a, b)
+    for p in model.parameters():
+        p.grad = None
+    monkeypatch.undo()
+    return grads, len(calls)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("config", [{"bits": 2, "strategy": "uniform"}, None])
+def test_qbatchnorm_reads_the_codes(memory_format, config, monkeypatch):
+    compiled_extension()
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(6)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    model = convert_model(nn.Sequential(bn), config)
+    x = (torch.randn(8, 6, 5, 7) * 2 + 1).contiguous(memory_format=memory_format)
+    g = torch.randn(x.shape).contiguous(memory_format=memory_format)
+    codes, n_codes = _bn_grads(model, x, g, True, monkeypatch, retain=True)
+    decoded, n_decoded = _bn_grads(model, x, g, False, monkeypatch)
+    assert n_decoded == 0
+    # a channels-last gradient is not contiguous in (N, C, H, W) order: aten's path
+    assert n_codes == (2 if memory_format == torch.contiguous_format else 0)
+    for a, b in zip(codes, decoded):
+        _close(a, b, "gradient")
+
+
+def test_non_float32_gradients_keep_the_decoded_path():
+    q, grad, invstd, weight = _codes(3, 4, (5,), "2", 32, 1)
+    assert not reads_codes(grad.double(), q, invstd, weight)
+    assert not reads_codes(grad, q, invstd, weight.half())
+    assert not reads_codes(grad.transpose(0, 2).contiguous().transpose(0, 2), q, invstd, weight)
+    assert isinstance(q, QuantizedTensor)
