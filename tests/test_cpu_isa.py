@@ -5,7 +5,8 @@ choice is made once, so the portable path is run in a child process with
 ACTNN_ZOO_CPU_ISA=baseline and its outputs compared with this process's, bit for bit: codes,
 metadata and decoded values at every width and dtype, per-sample widths, zero-exact codes, the
 fused mask backward, sparse codes (byte shuffles), the packed comparisons, the actnn strategy's
-range statistic and DIVISION's kernels, on odd sizes (tails shorter than a vector).
+range statistic, batch norm's backward from codes and DIVISION's kernels, on odd sizes (tails
+shorter than a vector).
 """
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ def outputs():
             s = Q.quantize_sparse(r, bits, 64, seed=7)  # byte shuffles on both paths
             out[f"{dtype}-sparse-{bits}"] = (s.data, s.lo, s.step, s.mask,
                                             Q.dequantize_sparse(s))
+        if dtype == torch.float32:  # batch norm's backward from codes (float32 only)
+            from actnn_zoo.quant.norm_backward import batch_norm_backward_codes
+            xh = torch.randn(5, 3, 7, 9, generator=g)
+            grad_out = torch.randn(xh.shape, generator=g)
+            inv, w = torch.rand(3, generator=g) + 0.5, torch.rand(3, generator=g)
+            for bits in (2, SampleBits(torch.tensor([1, 2, 4, 8, 2], dtype=torch.uint8), 20)):
+                q = Q.quantize(xh, bits, 64, seed=13)
+                out[f"bn-codes-{bits!r}"] = batch_norm_backward_codes(grad_out, q, inv, w)
         maps = (torch.randn(3, 5, 19, 13, generator=g) * 2).to(dtype)
         d = division_quantize(maps, 2, 8, seed=9)
         out[f"{dtype}-division"] = (d.data, d.low, d.lo, d.step, division_dequantize(d))

@@ -143,8 +143,9 @@ CHUNK_MIN_BYTES = 1 << 20
 def sample_chunks(item: Saved, chunks: int) -> List[Tuple[int, int]]:
     """Sample ranges in which a backward decodes ``item`` (a saved input), or [] to decode it
     whole: whole when ``chunks`` <= 1, when it is not a QuantizedTensor (or sparse codes whose
-    samples fill whole bytes of their mask) of at least 2 samples and ``CHUNK_MIN_BYTES`` decoded, and when backward is itself differentiated
-    (``create_graph=True``, the graph would keep every chunk alive anyway).
+    samples fill whole bytes of their mask) of at least 2 samples and ``CHUNK_MIN_BYTES``
+    decoded, and when backward is itself differentiated (``create_graph=True``, the graph would
+    keep every chunk alive anyway).
 
     Why: the backward of a layer that reads its input only through a sum over samples (conv and
     linear weight gradients) then holds ``1/chunks`` of the decoded input at a time instead of a
