@@ -23,6 +23,11 @@ from actnn_zoo.quant.norm_backward import batch_norm_backward_codes, reads_codes
 from _ext import compiled_extension
 
 
+def compiled():
+    from actnn_zoo.quant.backend import kernels
+    return getattr(kernels(torch.device("cpu")), "batch_norm_backward_codes", None)
+
+
 def _codes(n, c, spatial, widths, group, seed):
     g = torch.Generator().manual_seed(seed)
     x_hat = torch.randn((n, c) + spatial, generator=g) * 1.5
@@ -185,5 +190,15 @@ def test_non_float32_gradients_keep_the_decoded_path():
     q, grad, invstd, weight = _codes(3, 4, (5,), "2", 32, 1)
     assert not reads_codes(grad.double(), q, invstd, weight)
     assert not reads_codes(grad, q, invstd, weight.half())
-    assert not reads_codes(grad.transpose(0, 2).contiguous().transpose(0, 2), q, invstd, weight)
+    g4 = torch.randn(3, 4, 5, 2)
+    q4 = quantize(torch.randn(3, 4, 5, 2), 2, 32)
+    assert not reads_codes(g4.contiguous(memory_format=torch.channels_last), q4, invstd, weight)
+    # any other strides are read through a contiguous copy, as aten's backward would make
+    odd = grad.transpose(0, 2).contiguous().transpose(0, 2)
+    assert reads_codes(odd, q, invstd, weight) == (compiled() is not None)
+    expanded = torch.ones(()).expand(grad.shape)
+    got = batch_norm_backward_codes(expanded, q, invstd, weight)
+    want = batch_norm_backward_codes(expanded.contiguous(), q, invstd, weight)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
     assert isinstance(q, QuantizedTensor)

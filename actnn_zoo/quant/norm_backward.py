@@ -26,15 +26,23 @@ __all__ = ["batch_norm_backward_codes", "reads_codes"]
 
 def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor]) -> bool:
     """Whether :func:`batch_norm_backward_codes` applies: a plain QuantizedTensor (no rotation)
-    of ``grad``'s shape, float32 gradient, statistics and weight, a gradient that is contiguous
-    in (N, C, *spatial) order (channels-last is left to aten), on the CPU with the compiled
-    kernel (elsewhere the formula would decode x_hat whole: no better than aten's path)."""
+    of ``grad``'s shape, float32 gradient, statistics and weight, on the CPU with the compiled
+    kernel (elsewhere the formula would decode x_hat whole: no better than aten's path), and a
+    gradient that is not channels-last (the kernel reads (N, C, *spatial) order; a channels-last
+    gradient is left to aten rather than copied and its input gradient given another layout)."""
     return (isinstance(q, QuantizedTensor) and q.transform == "none"
             and grad.device.type == "cpu" and grad.dim() >= 2
             and grad.dtype == torch.float32 and invstd.dtype == torch.float32
             and (weight is None or weight.dtype == torch.float32)
-            and tuple(grad.shape) == tuple(q.shape) and grad.is_contiguous()
+            and tuple(grad.shape) == tuple(q.shape) and not _channels_last(grad)
             and getattr(kernels(grad.device), "batch_norm_backward_codes", None) is not None)
+
+
+def _channels_last(t: Tensor) -> bool:
+    if t.is_contiguous():
+        return False
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return fmt is not None and t.is_contiguous(memory_format=fmt)
 
 
 def batch_norm_backward_codes(grad: Tensor, q: QuantizedTensor, invstd: Tensor,
