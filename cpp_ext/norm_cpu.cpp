@@ -1,4 +1,5 @@
-// Batch norm's training backward read from the codes of its saved x_hat (CPU).
+// Batch norm's training backward and layer norm's backward read from the codes of their saved
+// x_hat (CPU).
 //
 // QBatchNorm saves x_hat = (x - mean) * invstd quantized. Decoding it into a float map, turning
 // that back into x and calling aten's native_batch_norm_backward held three full maps next to
@@ -12,6 +13,10 @@
 // k + 16, ...; a fixed order whatever the vector width, so the AVX2 and the portable builds
 // agree bit for bit), the lanes added in double, the planes of a channel added in double in
 // sample order. gi is elementwise.
+//
+// Layer norm, per row r of f features: gb = sum_r g, gw = sum_r g * x_hat, and
+//   gi = (wg - mean(wg) - x_hat * mean(wg * x_hat)) * rstd,   wg = g * w
+// (reference.layer_norm_backward_codes); the row means in 16 float lanes added in float64.
 #include "kernels.h"
 #include "decode_cpu.h"
 #include "isa_cpu.h"
@@ -145,6 +150,76 @@ void input_grad(const float* grad, const uint8_t* data, const uint16_t* lo, cons
   });
 }
 
+// Layer norm: LN row r (of f values) is row t = r % rows_per_sample of sample n = r / that,
+// positions [t * f, (t + 1) * f) of the sample's codes. Each task takes a range of LN rows,
+// decodes the groups covering one row into buf (a group shared by two rows is decoded for
+// each); every `grain` rows keep their own float partial sums of gw and gb, added in float64
+// in order afterwards (fixed by the grain, not by the thread count).
+void layer_norm_rows(const float* grad, const uint8_t* data, const uint16_t* lo,
+                     const uint16_t* step, const uint8_t* bits, const int64_t* offsets,
+                     int64_t rows, int64_t per_sample, int64_t f, int64_t group_size,
+                     const float* rstd, const float* w, float* gi, float* part, int64_t grain) {
+  const int64_t d = per_sample * f;
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  parallel_tasks(rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(f + 2 * group_size));
+    std::vector<float> wg(static_cast<size_t>(f));
+    // A call may cover several tasks (at::parallel_for on one thread runs them in one call):
+    // each task of `grain` rows keeps its own partial sums, whoever runs it.
+    float* pw = nullptr;
+    float* pb = nullptr;
+    for (int64_t r = begin; r < end; ++r) {
+      if (pw == nullptr || r % grain == 0) {
+        pw = part + (r / grain) * 2 * f;
+        pb = pw + f;
+        std::fill(pw, pw + 2 * f, 0.0f);
+      }
+      const int64_t n = r / per_sample;
+      const int64_t p0 = (r - n * per_sample) * f;
+      const int64_t g0 = p0 / group_size;
+      const int64_t g1 = std::min(g_per_row, (p0 + f + group_size - 1) / group_size);
+      decode_groups(data + offsets[n], bits[n], lo + n * g_per_row, step + n * g_per_row, g0,
+                    g0 * group_size, std::min(d, g1 * group_size) - g0 * group_size,
+                    group_size, buf.data());
+      const float* x = buf.data() + (p0 - g0 * group_size);
+      const float* g = grad + r * f;
+      alignas(64) float acc[kLanes], accx[kLanes];
+      std::fill(acc, acc + kLanes, 0.0f);
+      std::fill(accx, accx + kLanes, 0.0f);
+      if (w != nullptr) {
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) wg[j] = g[j] * w[j];
+        lane_sums(wg.data(), x, f, acc, accx);
+      } else {
+        lane_sums(g, x, f, acc, accx);
+      }
+      double a = 0.0, b = 0.0;
+      for (int k = 0; k < kLanes; ++k) {
+        a += acc[k];
+        b += accx[k];
+      }
+      const float k1 = static_cast<float>(a / static_cast<double>(f));
+      const float k2 = static_cast<float>(b / static_cast<double>(f));
+      const float s = rstd[r];
+      const float* v = w != nullptr ? wg.data() : g;
+      if (gi != nullptr) {
+        float* out = gi + r * f;
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) {
+          const float t = v[j] - k1;
+          const float u = x[j] * k2;
+          out[j] = (t - u) * s;
+        }
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < f; ++j) {
+        pw[j] += g[j] * x[j];
+        pb[j] += g[j];
+      }
+    }
+  });
+}
+
 void check_stat(const at::Tensor& t, const char* name, int64_t c) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
@@ -223,6 +298,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
   return {gi, gw, gb};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_codes_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool need_input) {
+  TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
+  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
+              grad.scalar_type());
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(),
+              "grad must be a contiguous (rows, features) tensor, got shape ", grad.sizes());
+  const int64_t rows = grad.size(0), f = grad.size(1);
+  const int64_t n_rows = bits.dim() == 1 ? bits.size(0) : -1;
+  TORCH_CHECK_VALUE(n_rows > 0 ? rows % n_rows == 0 : rows == 0, "the ", rows,
+                    " rows of grad are not whole samples of the ", n_rows, " coded rows");
+  const int64_t per_sample = n_rows > 0 ? rows / n_rows : 0;
+  const int64_t d = per_sample * f;
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 1 &&
+              data.is_contiguous(), "data must be a contiguous 1-d uint8 CPU tensor");
+  check_group_size(group_size);
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  for (const at::Tensor* t : {&lo, &step}) {
+    const char* name = t == &lo ? "lo" : "step";
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 2 &&
+                t->size(0) == std::max<int64_t>(n_rows, 0) && t->size(1) == g_per_row &&
+                t->is_contiguous(), name, " must be a contiguous bfloat16 CPU tensor of shape (",
+                n_rows, ", ", g_per_row, "), got ", t->scalar_type(), " ", t->sizes());
+  }
+  check_rows(bits, offsets, std::max<int64_t>(n_rows, 0), d, data.numel(), "data", false);
+  check_stat(rstd, "rstd", rows);
+  if (weight.has_value()) check_stat(*weight, "weight", f);
+
+  at::Tensor gw = at::zeros({f}, grad.options());
+  at::Tensor gb = at::zeros({f}, grad.options());
+  at::Tensor gi = need_input ? at::empty_like(grad) : at::Tensor();
+  if (rows == 0 || f == 0) {
+    if (need_input) gi.zero_();
+    return {gi, gw, gb};
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / f);
+  const int64_t tasks = (rows + grain - 1) / grain;
+  at::Tensor part = at::empty({tasks, 2, f}, grad.options());
+  layer_norm_rows(grad.data_ptr<float>(), data.data_ptr<uint8_t>(),
+                  reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>()),
+                  bits.data_ptr<uint8_t>(), offsets.data_ptr<int64_t>(), rows, per_sample, f,
+                  group_size, rstd.data_ptr<float>(),
+                  weight.has_value() ? weight->data_ptr<float>() : nullptr,
+                  need_input ? gi.data_ptr<float>() : nullptr, part.data_ptr<float>(), grain);
+  const float* p = part.data_ptr<float>();
+  float* gw_p = gw.data_ptr<float>();
+  float* gb_p = gb.data_ptr<float>();
+  for (int64_t j = 0; j < f; ++j) {
+    double tw = 0.0, tb = 0.0;
+    for (int64_t k = 0; k < tasks; ++k) {
+      tw += p[(2 * k) * f + j];
+      tb += p[(2 * k + 1) * f + j];
+    }
+    gw_p[j] = static_cast<float>(tw);
+    gb_p[j] = static_cast<float>(tb);
+  }
+  return {gi, gw, gb};
+}
+
 void register_norm(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("batch_norm_backward_codes",
@@ -240,6 +377,21 @@ void register_norm(pybind11::module_& m) {
         "Training batch norm's backward from the codes of its saved x_hat: grad (N, C, S) "
         "float32 -> (grad_input or None, grad_weight, grad_bias), float32 "
         "(reference.batch_norm_backward_codes). CPU only.");
+  m.def("layer_norm_backward_codes",
+        [](const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo,
+           const at::Tensor& step, const at::Tensor& bits, const at::Tensor& offsets,
+           int64_t group_size, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+           bool need_input) {
+          RECORD_USER_SCOPE("actnn_zoo::layer_norm_backward_codes");
+          return layer_norm_backward_codes_cpu(grad, data, lo, step, bits, offsets, group_size,
+                                               rstd, weight, need_input);
+        },
+        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
+        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("offsets"),
+        py::arg("group_size"), py::arg("rstd"), py::arg("weight"), py::arg("need_input"),
+        "Layer norm's backward from the codes of its saved x_hat: grad (rows, features) "
+        "float32, rows a multiple of the coded samples -> (grad_input or None, grad_weight, "
+        "grad_bias), float32 (reference.layer_norm_backward_codes). CPU only.");
 }
 
 }  // namespace actnn_zoo

@@ -5,7 +5,7 @@ choice is made once, so the portable path is run in a child process with
 ACTNN_ZOO_CPU_ISA=baseline and its outputs compared with this process's, bit for bit: codes,
 metadata and decoded values at every width and dtype, per-sample widths, zero-exact codes, the
 fused mask backward, sparse codes (byte shuffles), the packed comparisons, the actnn strategy's
-range statistic, batch norm's backward from codes and DIVISION's kernels, on odd sizes (tails
+range statistic, the norms' backward from codes and DIVISION's kernels, on odd sizes (tails
 shorter than a vector).
 """
 from __future__ import annotations
@@ -61,6 +61,12 @@ def outputs():
             for bits in (2, SampleBits(torch.tensor([1, 2, 4, 8, 2], dtype=torch.uint8), 20)):
                 q = Q.quantize(xh, bits, 64, seed=13)
                 out[f"bn-codes-{bits!r}"] = batch_norm_backward_codes(grad_out, q, inv, w)
+            from actnn_zoo.quant.norm_backward import layer_norm_backward_codes
+            rows = torch.rand(5, 7, 1, generator=g) + 0.5
+            lw = torch.rand(9, generator=g)
+            q = Q.quantize(xh.reshape(5, 7, 27)[..., :9].contiguous(), 2, 32, seed=17)
+            gl = torch.randn(5, 7, 9, generator=g)
+            out["ln-codes"] = layer_norm_backward_codes(gl, q, rows, 9, lw)
         maps = (torch.randn(3, 5, 19, 13, generator=g) * 2).to(dtype)
         d = division_quantize(maps, 2, 8, seed=9)
         out[f"{dtype}-division"] = (d.data, d.low, d.lo, d.step, division_dequantize(d))

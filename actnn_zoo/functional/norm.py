@@ -27,6 +27,7 @@ kept, so a graph of it would silently lack the x-dependent part (``first_order_o
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,7 +36,8 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor
-from ..quant.norm_backward import batch_norm_backward_codes, reads_codes
+from ..quant.norm_backward import (batch_norm_backward_codes, layer_norm_backward_codes,
+                                   reads_codes)
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
                       restore, sample_chunks, save)
 from .linear import cast, dtype_of, first_order_only, memory_format_of, no_autocast
@@ -351,7 +353,13 @@ class LayerNormFunction(torch.autograd.Function):
         gi = gw = gb = None
         with no_autocast(grad_out.device.type):
             go = cast(grad_out, dt)
-            if x_q is not None:
+            w = cast(weight, to_dt)
+            if x_q is not None and reads_codes(go, x_q, rstd, w, "layer_norm_backward_codes"):
+                # from the codes, a row at a time (quant/norm_backward.py)
+                shape = ctx.normalized_shape
+                gi, gw, gb = layer_norm_backward_codes(go, x_q, rstd, math.prod(shape), w, need_x)
+                gw, gb = gw.view(shape), gb.view(shape)
+            elif x_q is not None:
                 x = _denormalize(restore(x_q), mean, rstd, dt,
                                  owned=not isinstance(x_q, Tensor))
                 gi, gw, gb = torch.ops.aten.native_layer_norm_backward(

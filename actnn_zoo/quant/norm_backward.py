@@ -1,4 +1,5 @@
-"""Batch norm's training backward read from the codes of its saved normalized input.
+"""Batch norm's training backward and layer norm's backward read from the codes of their saved
+normalized input.
 
 Why (docs/design.md, "The step's peak"): a QBatchNorm saves x_hat quantized. Decoding it, turning
 it back into x and calling ``native_batch_norm_backward`` held three full maps next to the
@@ -7,8 +8,11 @@ of the CNN that set the peak of the whole step. :func:`batch_norm_backward_codes
 codes a group at a time and holds only the input gradient it returns, in two passes over the
 gradient and the codes instead of five over float maps.
 
-CPU kernel ``cpp_ext/norm_cpu.cpp``; elsewhere (and without the extension) the torch formula
-:func:`actnn_zoo.quant.reference.batch_norm_backward_codes`, which decodes x_hat whole.
+Layer norm did the same (decode, rebuild x, ``native_layer_norm_backward``, which normalizes x
+again); :func:`layer_norm_backward_codes` reads the codes a row at a time.
+
+CPU kernels ``cpp_ext/norm_cpu.cpp``; elsewhere (and without the extension) the torch formulas
+in :mod:`actnn_zoo.quant.reference`, which decode x_hat whole.
 """
 from __future__ import annotations
 
@@ -21,21 +25,23 @@ from . import reference
 from .backend import kernels
 from .tensor import QuantizedTensor
 
-__all__ = ["batch_norm_backward_codes", "reads_codes"]
+__all__ = ["batch_norm_backward_codes", "layer_norm_backward_codes", "reads_codes"]
 
 
-def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor]) -> bool:
+def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor],
+                kernel: str = "batch_norm_backward_codes") -> bool:
     """Whether :func:`batch_norm_backward_codes` applies: a plain QuantizedTensor (no rotation)
     of ``grad``'s shape, float32 gradient, statistics and weight, on the CPU with the compiled
     kernel (elsewhere the formula would decode x_hat whole: no better than aten's path), and a
     gradient that is not channels-last (the kernel reads (N, C, *spatial) order; a channels-last
-    gradient is left to aten rather than copied and its input gradient given another layout)."""
+    gradient is left to aten rather than copied and its input gradient given another layout).
+    ``kernel``: which of the two (``"layer_norm_backward_codes"`` for layer norm)."""
     return (isinstance(q, QuantizedTensor) and q.transform == "none"
             and grad.device.type == "cpu" and grad.dim() >= 2
             and grad.dtype == torch.float32 and invstd.dtype == torch.float32
             and (weight is None or weight.dtype == torch.float32)
             and tuple(grad.shape) == tuple(q.shape) and not _channels_last(grad)
-            and getattr(kernels(grad.device), "batch_norm_backward_codes", None) is not None)
+            and getattr(kernels(grad.device), kernel, None) is not None)
 
 
 def _channels_last(t: Tensor) -> bool:
@@ -70,11 +76,52 @@ def batch_norm_backward_codes(grad: Tensor, q: QuantizedTensor, invstd: Tensor,
         d = g3.shape[1] * g3.shape[2]
         offsets = reference.uniform_offsets(n, d, q.bits, q.device)
         row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
-    fn = getattr(kernels(grad.device), "batch_norm_backward_codes", None)
-    if fn is None or grad.device.type != "cpu" or not all(
-            t.dtype == torch.float32 for t in (grad, invstd, weight) if t is not None):
-        fn = reference.batch_norm_backward_codes
-    gi, gw, gb = fn(g3, q.data, q.lo, q.step, row_bits, offsets, q.group_size,
-                    invstd.contiguous(), None if weight is None else weight.contiguous(),
-                    need_input)
+    gi, gw, gb = _run("batch_norm_backward_codes", g3, q, row_bits, offsets, invstd, weight,
+                      need_input)
     return (gi.view(grad.shape) if gi is not None else None), gw, gb
+
+
+def layer_norm_backward_codes(grad: Tensor, q: QuantizedTensor, rstd: Tensor,
+                              normalized_numel: int, weight: Optional[Tensor] = None,
+                              need_input: bool = True
+                              ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """(grad_input, grad_weight, grad_bias) of layer norm over the last dims holding
+    ``normalized_numel`` values, from ``grad`` and ``q``, the codes of x_hat = (x - mean) * rstd
+    (rows of ``q`` are samples: dim 0 of ``grad``). Per normalized row, with wg = g * weight:
+    gi = (wg - mean(wg) - x_hat * mean(wg * x_hat)) * rstd; gw = sum g * x_hat, gb = sum g
+    over rows, flat ``(normalized_numel,)``. What ``native_layer_norm_backward`` computes from x,
+    up to float rounding."""
+    if not isinstance(q, QuantizedTensor) or q.transform != "none":
+        raise TypeError("layer_norm_backward_codes needs a QuantizedTensor without a transform")
+    if grad.dim() < 1 or tuple(grad.shape) != tuple(q.shape):
+        raise ValueError(f"gradient of shape {tuple(grad.shape)} for codes of {tuple(q.shape)}")
+    f = int(normalized_numel)
+    if f <= 0 or grad.numel() % f:
+        raise ValueError(f"{f} normalized values do not divide the gradient's {grad.numel()}")
+    g2 = grad.contiguous().view(-1, f)
+    if rstd.numel() != g2.shape[0]:
+        raise ValueError(f"rstd has {rstd.numel()} values for {g2.shape[0]} rows")
+    if weight is not None and weight.numel() != f:
+        raise ValueError(f"weight has {weight.numel()} values for {f} normalized ones")
+    n = q.shape[0] if len(q.shape) >= 2 else 1
+    d = grad.numel() // n if n else 0
+    if q.mixed:
+        row_bits, offsets = q.row_bits, q.offsets
+    else:
+        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
+        row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
+    gi, gw, gb = _run("layer_norm_backward_codes", g2, q, row_bits, offsets,
+                      rstd.reshape(-1), None if weight is None else weight.reshape(-1),
+                      need_input)
+    return (gi.view(grad.shape) if gi is not None else None), gw, gb
+
+
+def _run(name: str, grad: Tensor, q: QuantizedTensor, row_bits: Tensor, offsets: Tensor,
+         stat: Tensor, weight: Optional[Tensor], need_input: bool):
+    """The compiled kernel ``name`` on the CPU for float32 tensors, else its torch twin."""
+    fn = getattr(kernels(grad.device), name, None)
+    if fn is None or grad.device.type != "cpu" or not all(
+            t.dtype == torch.float32 for t in (grad, stat, weight) if t is not None):
+        fn = getattr(reference, name)
+    return fn(grad, q.data, q.lo, q.step, row_bits, offsets, q.group_size, stat.contiguous(),
+              None if weight is None else weight.contiguous(), need_input)

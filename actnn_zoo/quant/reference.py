@@ -326,6 +326,29 @@ def batch_norm_backward_codes(grad: Tensor, data: Tensor, lo: Tensor, step: Tens
     return gi, gw.float(), gb.float()
 
 
+def layer_norm_backward_codes(grad: Tensor, data: Tensor, lo: Tensor, step: Tensor,
+                              bits: Tensor, offsets: Tensor, group_size: int, rstd: Tensor,
+                              weight: Optional[Tensor], need_input: bool
+                              ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """Layer norm's backward from the codes of x_hat: ``grad`` (R, F) float32, R a multiple of
+    the N coded rows (each of R / N * F values). Per row, with wg = g * weight:
+    gi = (wg - mean(wg) - x_hat * mean(wg * x_hat)) * rstd; over rows gw = sum g * x_hat,
+    gb = sum g (``native_layer_norm_backward``'s formula written in x_hat; float64 sums)."""
+    r, f = grad.shape
+    n = bits.shape[0]
+    x = dequantize(data, lo, step, bits, offsets, group_size,
+                   torch.empty(n, r // max(n, 1) * f, dtype=torch.float32,
+                               device=grad.device)).view(r, f)
+    g64, x64 = grad.double(), x.double()
+    gb, gw = g64.sum(0), (g64 * x64).sum(0)
+    gi = None
+    if need_input:
+        wg = g64 if weight is None else g64 * weight.double()
+        gi = ((wg - wg.mean(1, keepdim=True) - x64 * (wg * x64).mean(1, keepdim=True))
+              * rstd.double()[:, None]).float()
+    return gi, gw.float(), gb.float()
+
+
 def uniform_offsets(n: int, d: int, bits: int, device: torch.device, first: int = 0) -> Tensor:
     """:func:`row_offsets` for one width, rows back to back from row ``first``: one arange (the
     general cumsum costs five small ops)."""

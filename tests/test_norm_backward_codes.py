@@ -1,11 +1,13 @@
-"""Batch norm's backward read from the codes of its saved x_hat (``quant.norm_backward``).
+"""Batch norm's and layer norm's backward read from the codes of their saved x_hat
+(``quant.norm_backward``).
 
-The CPU kernel (``_C.batch_norm_backward_codes``) against its torch twin
-(``reference.batch_norm_backward_codes``, float64 sums on the decoded x_hat) over shapes, widths
-and group sizes (hypothesis); the formula against aten's ``native_batch_norm_backward`` in
-float64; the same bits at one and two threads; bad input; and QBatchNorm taking the path (and
-leaving channels-last gradients to aten) with gradients equal to the decoded path's up to float
-rounding, including a retained graph run twice.
+The CPU kernels (``_C.batch_norm_backward_codes``, ``_C.layer_norm_backward_codes``) against
+their torch twins in ``quant.reference`` (float64 sums on the decoded x_hat) over shapes, widths
+and group sizes (hypothesis); the formulas against aten's ``native_batch_norm_backward`` /
+``native_layer_norm_backward`` in float64; the same bits at one and two threads; bad input; and
+QBatchNorm / QLayerNorm taking the path (batch norm leaving channels-last gradients to aten)
+with gradients equal to the decoded path's up to float rounding, including a retained graph run
+twice.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from torch import nn
 import actnn_zoo.functional.norm as fnorm
 from actnn_zoo import convert_model
 from actnn_zoo.quant import QuantizedTensor, SampleBits, dequantize, quantize, reference
-from actnn_zoo.quant.norm_backward import batch_norm_backward_codes, reads_codes
+from actnn_zoo.quant.norm_backward import (batch_norm_backward_codes, layer_norm_backward_codes,
+                                           reads_codes)
 
 from _ext import compiled_extension
 
@@ -202,3 +205,155 @@ def test_non_float32_gradients_keep_the_decoded_path():
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert isinstance(q, QuantizedTensor)
+
+
+# ------------------------------------------------------------------------------ layer norm ----
+def _ln_codes(n, t, f, widths, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, t, f) if t else (n, f)
+    x_hat = torch.randn(shape, generator=g) * 1.5
+    if widths == "sample":
+        b = torch.tensor([2, 4, 1, 8, 2, 2][:n], dtype=torch.uint8)
+        bits = SampleBits(b, int(b.sum()) + 3)
+    else:
+        bits = int(widths)
+    q = quantize(x_hat, bits, group, seed=seed)
+    grad = torch.randn(shape, generator=g)
+    rstd = torch.rand(shape[:-1] + (1,), generator=g) + 0.5
+    weight = torch.rand(f, generator=g) + 0.5
+    return q, grad, rstd, weight
+
+
+def _ln_reference(grad, q, rstd, weight, need_input=True):
+    f = grad.shape[-1]
+    n = q.shape[0]
+    d = grad.numel() // n
+    if q.mixed:
+        row_bits, offsets = q.row_bits, q.offsets
+    else:
+        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
+        row_bits = torch.full((n,), q.bits, dtype=torch.uint8)
+    gi, gw, gb = reference.layer_norm_backward_codes(
+        grad.reshape(-1, f), q.data, q.lo, q.step, row_bits, offsets, q.group_size,
+        rstd.reshape(-1), weight, need_input)
+    return (gi.view(grad.shape) if gi is not None else None), gw, gb
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), t=st.integers(0, 7), f=st.integers(1, 70),
+       widths=st.sampled_from(["1", "2", "4", "8", "sample"]),
+       group=st.sampled_from([8, 32, 64, 256]), seed=st.integers(0, 2 ** 31 - 1),
+       affine=st.booleans(), need_input=st.booleans())
+def test_layer_norm_kernel_matches_the_torch_formula(n, t, f, widths, group, seed, affine,
+                                                     need_input):
+    compiled_extension()
+    q, grad, rstd, weight = _ln_codes(n, t, f, widths, group, seed)
+    w = weight if affine else None
+    assert reads_codes(grad, q, rstd, w, "layer_norm_backward_codes")
+    gi, gw, gb = layer_norm_backward_codes(grad, q, rstd, f, w, need_input)
+    ri, rw, rb = _ln_reference(grad, q, rstd, w, need_input)
+    _close(gw, rw, "grad_weight")
+    _close(gb, rb, "grad_bias")
+    if need_input:
+        assert gi.shape == grad.shape
+        _close(gi, ri, "grad_input")
+    else:
+        assert gi is None
+
+
+def test_layer_norm_formula_is_aten_layer_norm_backward():
+    q, grad, rstd, weight = _ln_codes(4, 6, 24, "8", 64, 2)
+    x_hat = dequantize(q).double()
+    mean = torch.randn(4, 6, 1, dtype=torch.float64)
+    x = x_hat / rstd.double() + mean
+    gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+        grad.double(), x, [24], mean, rstd.double(), weight.double(), weight.double(),
+        [True, True, True])
+    ri, rw, rb = _ln_reference(grad.double(), q, rstd.double(), weight.double())
+    assert torch.allclose(ri.double(), gi, atol=1e-5)
+    assert torch.allclose(rw, gw.float(), atol=1e-5) and torch.allclose(rb, gb.float(), atol=1e-5)
+
+
+def test_layer_norm_same_bits_at_any_thread_count():
+    compiled_extension()
+    q, grad, rstd, weight = _ln_codes(5, 300, 40, "sample", 64, 8)  # several tasks
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer_norm_backward_codes(grad, q, rstd, 40, weight)
+        torch.set_num_threads(2)
+        two = layer_norm_backward_codes(grad, q, rstd, 40, weight)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_layer_norm_bad_input_is_named():
+    q, grad, rstd, weight = _ln_codes(3, 4, 10, "2", 32, 1)
+    with pytest.raises(ValueError, match="shape"):
+        layer_norm_backward_codes(grad[:2], q, rstd, 10, weight)
+    with pytest.raises(ValueError, match="do not divide"):
+        layer_norm_backward_codes(grad, q, rstd, 7, weight)
+    with pytest.raises(ValueError, match="rstd has"):
+        layer_norm_backward_codes(grad, q, rstd[:2], 10, weight)
+    with pytest.raises(ValueError, match="weight has"):
+        layer_norm_backward_codes(grad, q, rstd, 10, weight[:5])
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        layer_norm_backward_codes(grad, grad, rstd, 10, weight)
+    ext = compiled_extension()
+    g2 = grad.reshape(-1, 10)
+    off = reference.uniform_offsets(3, 40, 2, grad.device)
+    rb = torch.full((3,), 2, dtype=torch.uint8)
+    with pytest.raises((RuntimeError, ValueError), match="not whole samples"):
+        ext.layer_norm_backward_codes(g2[:11], q.data, q.lo, q.step, rb, off, 32,
+                                      rstd.reshape(-1)[:11], weight, True)
+    with pytest.raises((RuntimeError, ValueError), match="rstd must be"):
+        ext.layer_norm_backward_codes(g2, q.data, q.lo, q.step, rb, off, 32, rstd.reshape(-1)[:5],
+                                      weight, True)
+
+
+@pytest.mark.parametrize("shape,normalized", [((4, 9, 32), (32,)), ((6, 20), (20,)),
+                                              ((2, 3, 4, 10), (4, 10))])
+@pytest.mark.parametrize("config", [{"bits": 2, "strategy": "uniform"}, None])
+def test_qlayernorm_reads_the_codes(shape, normalized, config, monkeypatch):
+    compiled_extension()
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(normalized)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-1, 1)
+    model = convert_model(nn.Sequential(ln), config)
+    x = torch.randn(shape) * 2 + 1
+    g = torch.randn(shape)
+
+    def grads(reads):
+        calls = []
+        real = fnorm.layer_norm_backward_codes
+        monkeypatch.setattr(fnorm, "layer_norm_backward_codes",
+                            lambda *a: calls.append(1) or real(*a))
+        if not reads:
+            monkeypatch.setattr(fnorm, "reads_codes", lambda *a: False)
+        xx = x.clone().requires_grad_()
+        torch.manual_seed(0)
+        y = model(xx)
+        y.backward(g, retain_graph=True)
+        first = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+        xx.grad = None
+        for p in model.parameters():
+            p.grad = None
+        y.backward(g)
+        again = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+        for p in model.parameters():
+            p.grad = None
+        monkeypatch.undo()
+        return first, len(calls)
+
+    codes, n_codes = grads(True)
+    decoded, n_decoded = grads(False)
+    assert (n_codes, n_decoded) == (2, 0)
+    for a, b in zip(codes, decoded):
+        assert a.shape == b.shape
+        _close(a, b, "gradient")
