@@ -227,19 +227,11 @@ void check_stat(const at::Tensor& t, const char* name, int64_t c) {
               " must be a contiguous (", c, ",) tensor, got shape ", t.sizes());
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
-    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
-    const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
-    const at::Tensor& invstd, const std::optional<at::Tensor>& weight, bool need_input) {
-  TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
-  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
-              grad.scalar_type());
-  TORCH_CHECK(grad.dim() == 3 && grad.is_contiguous(),
-              "grad must be a contiguous (N, C, S) tensor, got shape ", grad.sizes());
-  const int64_t n_rows = grad.size(0), c = grad.size(1), s = grad.size(2);
-  const int64_t d = c * s;
+// The codes of n_rows rows of d values: data uint8, lo/step bfloat16 (n_rows, groups), widths
+// and offsets as the dequantizer checks them.
+void check_codes(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                 const at::Tensor& bits, const at::Tensor& offsets, int64_t n_rows, int64_t d,
+                 int64_t group_size) {
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 1 &&
               data.is_contiguous(), "data must be a contiguous 1-d uint8 CPU tensor");
   check_group_size(group_size);
@@ -252,6 +244,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
                 "), got ", t->scalar_type(), " ", t->sizes());
   }
   check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+    const at::Tensor& invstd, const std::optional<at::Tensor>& weight, bool need_input) {
+  RECORD_USER_SCOPE("actnn_zoo::batch_norm_backward_codes");
+  TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
+  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
+              grad.scalar_type());
+  TORCH_CHECK(grad.dim() == 3 && grad.is_contiguous(),
+              "grad must be a contiguous (N, C, S) tensor, got shape ", grad.sizes());
+  const int64_t n_rows = grad.size(0), c = grad.size(1), s = grad.size(2);
+  const int64_t d = c * s;
+  check_codes(data, lo, step, bits, offsets, n_rows, d, group_size);
   check_stat(invstd, "invstd", c);
   if (weight.has_value()) check_stat(*weight, "weight", c);
 
@@ -302,6 +311,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_codes_cpu(
     const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
     const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
     const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool need_input) {
+  RECORD_USER_SCOPE("actnn_zoo::layer_norm_backward_codes");
   TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
   TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
               grad.scalar_type());
@@ -313,18 +323,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_codes_cpu(
                     " rows of grad are not whole samples of the ", n_rows, " coded rows");
   const int64_t per_sample = n_rows > 0 ? rows / n_rows : 0;
   const int64_t d = per_sample * f;
-  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 1 &&
-              data.is_contiguous(), "data must be a contiguous 1-d uint8 CPU tensor");
-  check_group_size(group_size);
-  const int64_t g_per_row = (d + group_size - 1) / group_size;
-  for (const at::Tensor* t : {&lo, &step}) {
-    const char* name = t == &lo ? "lo" : "step";
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 2 &&
-                t->size(0) == std::max<int64_t>(n_rows, 0) && t->size(1) == g_per_row &&
-                t->is_contiguous(), name, " must be a contiguous bfloat16 CPU tensor of shape (",
-                n_rows, ", ", g_per_row, "), got ", t->scalar_type(), " ", t->sizes());
-  }
-  check_rows(bits, offsets, std::max<int64_t>(n_rows, 0), d, data.numel(), "data", false);
+  check_codes(data, lo, step, bits, offsets, std::max<int64_t>(n_rows, 0), d, group_size);
   check_stat(rstd, "rstd", rows);
   if (weight.has_value()) check_stat(*weight, "weight", f);
 
@@ -360,38 +359,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_codes_cpu(
   return {gi, gw, gb};
 }
 
-void register_norm(pybind11::module_& m) {
+using NormCodes = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+    const std::optional<at::Tensor>&, bool);
+
+void def_norm(pybind11::module_& m, const char* name, NormCodes fn, const char* stat,
+              const char* doc) {
   namespace py = pybind11;
-  m.def("batch_norm_backward_codes",
-        [](const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo,
-           const at::Tensor& step, const at::Tensor& bits, const at::Tensor& offsets,
-           int64_t group_size, const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
-           bool need_input) {
-          RECORD_USER_SCOPE("actnn_zoo::batch_norm_backward_codes");
-          return batch_norm_backward_codes_cpu(grad, data, lo, step, bits, offsets, group_size,
-                                               invstd, weight, need_input);
-        },
-        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
+  m.def(name, fn, py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
         py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("offsets"),
-        py::arg("group_size"), py::arg("invstd"), py::arg("weight"), py::arg("need_input"),
-        "Training batch norm's backward from the codes of its saved x_hat: grad (N, C, S) "
-        "float32 -> (grad_input or None, grad_weight, grad_bias), float32 "
-        "(reference.batch_norm_backward_codes). CPU only.");
-  m.def("layer_norm_backward_codes",
-        [](const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo,
-           const at::Tensor& step, const at::Tensor& bits, const at::Tensor& offsets,
-           int64_t group_size, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-           bool need_input) {
-          RECORD_USER_SCOPE("actnn_zoo::layer_norm_backward_codes");
-          return layer_norm_backward_codes_cpu(grad, data, lo, step, bits, offsets, group_size,
-                                               rstd, weight, need_input);
-        },
-        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
-        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("offsets"),
-        py::arg("group_size"), py::arg("rstd"), py::arg("weight"), py::arg("need_input"),
-        "Layer norm's backward from the codes of its saved x_hat: grad (rows, features) "
-        "float32, rows a multiple of the coded samples -> (grad_input or None, grad_weight, "
-        "grad_bias), float32 (reference.layer_norm_backward_codes). CPU only.");
+        py::arg("group_size"), py::arg(stat), py::arg("weight"), py::arg("need_input"), doc);
+}
+
+void register_norm(pybind11::module_& m) {
+  def_norm(m, "batch_norm_backward_codes", &batch_norm_backward_codes_cpu, "invstd",
+           "Training batch norm's backward from the codes of its saved x_hat: grad (N, C, S) "
+           "float32 -> (grad_input or None, grad_weight, grad_bias), float32 "
+           "(reference.batch_norm_backward_codes). CPU only.");
+  def_norm(m, "layer_norm_backward_codes", &layer_norm_backward_codes_cpu, "rstd",
+           "Layer norm's backward from the codes of its saved x_hat: grad (rows, features) "
+           "float32, rows a multiple of the coded samples -> (grad_input or None, "
+           "grad_weight, grad_bias), float32 (reference.layer_norm_backward_codes). CPU only.");
 }
 
 }  // namespace actnn_zoo

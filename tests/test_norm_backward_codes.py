@@ -31,16 +31,21 @@ def compiled():
     return getattr(kernels(torch.device("cpu")), "batch_norm_backward_codes", None)
 
 
-def _codes(n, c, spatial, widths, group, seed):
+def _payload(shape, widths, group, seed):
+    """(generator, codes of a random x_hat of ``shape`` at ``widths``, a random gradient)."""
     g = torch.Generator().manual_seed(seed)
-    x_hat = torch.randn((n, c) + spatial, generator=g) * 1.5
+    x_hat = torch.randn(shape, generator=g) * 1.5
+    n = shape[0]
     if widths == "sample":
         b = torch.tensor([2, 4, 1, 8, 2, 2][:n], dtype=torch.uint8)
         bits = SampleBits(b, int(b.sum()) + 3)
     else:
         bits = int(widths)
-    q = quantize(x_hat, bits, group, seed=seed)
-    grad = torch.randn(x_hat.shape, generator=g)
+    return g, quantize(x_hat, bits, group, seed=seed), torch.randn(shape, generator=g)
+
+
+def _codes(n, c, spatial, widths, group, seed):
+    g, q, grad = _payload((n, c) + spatial, widths, group, seed)
     invstd = torch.rand(c, generator=g) + 0.5
     weight = torch.rand(c, generator=g) + 0.5
     return q, grad, invstd, weight
@@ -142,26 +147,27 @@ def test_bad_input_is_named():
                                       weight, True)
 
 
-def _bn_grads(model, x, g, reads: bool, monkeypatch, retain=False):
+def _layer_grads(model, x, g, kernel: str, reads: bool, monkeypatch):
+    """Gradients of ``model`` (input first, then parameters) with the codes path on or off
+    (``reads``), checked equal when the retained graph is run again, and how many times the
+    ``kernel`` wrapper of functional/norm.py ran."""
     calls = []
-    real = fnorm.batch_norm_backward_codes
-    monkeypatch.setattr(fnorm, "batch_norm_backward_codes",
-                        lambda *a: calls.append(1) or real(*a))
+    real = getattr(fnorm, kernel)
+    monkeypatch.setattr(fnorm, kernel, lambda *a: calls.append(1) or real(*a))
     if not reads:
         monkeypatch.setattr(fnorm, "reads_codes", lambda *a: False)
     xx = x.clone().requires_grad_()
     torch.manual_seed(0)
     y = model(xx)
-    y.backward(g, retain_graph=retain)
+    y.backward(g, retain_graph=True)
     grads = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-    if retain:
-        xx.grad = None
-        for p in model.parameters():
-            p.grad = None
-        y.backward(g)
-        again = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-        for a, b in zip(grads, again):
-            assert torch.equal(a, b)
+    xx.grad = None
+    for p in model.parameters():
+        p.grad = None
+    y.backward(g)
+    again = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads, again):
+        assert torch.equal(a, b)
     for p in model.parameters():
         p.grad = None
     monkeypatch.undo()
@@ -180,8 +186,9 @@ def test_qbatchnorm_reads_the_codes(memory_format, config, monkeypatch):
     model = convert_model(nn.Sequential(bn), config)
     x = (torch.randn(8, 6, 5, 7) * 2 + 1).contiguous(memory_format=memory_format)
     g = torch.randn(x.shape).contiguous(memory_format=memory_format)
-    codes, n_codes = _bn_grads(model, x, g, True, monkeypatch, retain=True)
-    decoded, n_decoded = _bn_grads(model, x, g, False, monkeypatch)
+    codes, n_codes = _layer_grads(model, x, g, "batch_norm_backward_codes", True, monkeypatch)
+    decoded, n_decoded = _layer_grads(model, x, g, "batch_norm_backward_codes", False,
+                                      monkeypatch)
     assert n_decoded == 0
     # a channels-last gradient is not contiguous in (N, C, H, W) order: aten's path
     assert n_codes == (2 if memory_format == torch.contiguous_format else 0)
@@ -209,16 +216,8 @@ def test_non_float32_gradients_keep_the_decoded_path():
 
 # ------------------------------------------------------------------------------ layer norm ----
 def _ln_codes(n, t, f, widths, group, seed):
-    g = torch.Generator().manual_seed(seed)
     shape = (n, t, f) if t else (n, f)
-    x_hat = torch.randn(shape, generator=g) * 1.5
-    if widths == "sample":
-        b = torch.tensor([2, 4, 1, 8, 2, 2][:n], dtype=torch.uint8)
-        bits = SampleBits(b, int(b.sum()) + 3)
-    else:
-        bits = int(widths)
-    q = quantize(x_hat, bits, group, seed=seed)
-    grad = torch.randn(shape, generator=g)
+    g, q, grad = _payload(shape, widths, group, seed)
     rstd = torch.rand(shape[:-1] + (1,), generator=g) + 0.5
     weight = torch.rand(f, generator=g) + 0.5
     return q, grad, rstd, weight
@@ -327,32 +326,9 @@ def test_qlayernorm_reads_the_codes(shape, normalized, config, monkeypatch):
     x = torch.randn(shape) * 2 + 1
     g = torch.randn(shape)
 
-    def grads(reads):
-        calls = []
-        real = fnorm.layer_norm_backward_codes
-        monkeypatch.setattr(fnorm, "layer_norm_backward_codes",
-                            lambda *a: calls.append(1) or real(*a))
-        if not reads:
-            monkeypatch.setattr(fnorm, "reads_codes", lambda *a: False)
-        xx = x.clone().requires_grad_()
-        torch.manual_seed(0)
-        y = model(xx)
-        y.backward(g, retain_graph=True)
-        first = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-        xx.grad = None
-        for p in model.parameters():
-            p.grad = None
-        y.backward(g)
-        again = [xx.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
-        for p in model.parameters():
-            p.grad = None
-        monkeypatch.undo()
-        return first, len(calls)
-
-    codes, n_codes = grads(True)
-    decoded, n_decoded = grads(False)
+    codes, n_codes = _layer_grads(model, x, g, "layer_norm_backward_codes", True, monkeypatch)
+    decoded, n_decoded = _layer_grads(model, x, g, "layer_norm_backward_codes", False,
+                                      monkeypatch)
     assert (n_codes, n_decoded) == (2, 0)
     for a, b in zip(codes, decoded):
         assert a.shape == b.shape
