@@ -296,3 +296,26 @@ def test_backward_chunks_config_key():
             QuantConfig.from_dict({"backward_chunks": bad})
         with pytest.raises(ValueError, match="backward_chunks"):
             LayerQConfig(backward_chunks=bad)
+
+
+@pytest.mark.parametrize("need", ["both", "weight", "input"])
+def test_weight_gradient_first_equals_one_call(need, monkeypatch):
+    """A large saved input (large_input) is decoded for the weight gradient and freed before a
+    second call gives the input gradient; a small one takes one call. Same gradients."""
+    def grads(threshold):
+        monkeypatch.setattr(_saving, "CHUNK_MIN_BYTES", threshold)
+        torch.manual_seed(0)
+        conv = az.convert_model(nn.Conv2d(3, 5, 3, padding=1, bias=True),
+                                QuantConfig(bits=8, strategy="uniform", capture=False))
+        conv.weight.requires_grad_(need != "input")
+        x = torch.randn(4, 3, 9, 9, requires_grad=need != "weight")
+        conv(x).square().sum().backward()
+        return [t.grad for t in (x, conv.weight, conv.bias) if t.grad is not None]
+
+    assert _saving.large_input(quantize(torch.randn(4, 3, 9, 9), 2)) is False
+    monkeypatch.setattr(_saving, "CHUNK_MIN_BYTES", 0)
+    assert _saving.large_input(quantize(torch.randn(4, 3, 9, 9), 2)) is True
+    split, one = grads(0), grads(1 << 40)
+    assert len(split) == len(one) == (3 if need == "both" else 2)
+    for a, b in zip(split, one):
+        _close_up_to_summation_order(a, b)

@@ -140,6 +140,15 @@ def restore(item: Saved) -> Optional[Tensor]:
 CHUNK_MIN_BYTES = 1 << 20
 
 
+def large_input(item: Saved) -> bool:
+    """Whether a saved input holds ``CHUNK_MIN_BYTES`` or more as float32: then a backward
+    computes the weight gradient first and frees the decoded input before the input gradient
+    exists (one full map less at the peak); below it one call doing both is cheaper, and a
+    small map does not set the step's peak."""
+    shape = getattr(item, "shape", None)
+    return shape is not None and shape.numel() * 4 >= CHUNK_MIN_BYTES
+
+
 def sample_chunks(item: Saved, chunks: int) -> List[Tuple[int, int]]:
     """Sample ranges in which a backward decodes ``item`` (a saved input), or [] to decode it
     whole: whole when ``chunks`` <= 1, when it is not a QuantizedTensor (or sparse codes whose

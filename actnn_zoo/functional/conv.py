@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
-from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
+from ._saving import (compress, dequantize_rows, large_input, load, restore, sample_chunks,
+                      save)
 from .linear import cast, dtype_of, guard_second_order, memory_format_of, no_autocast
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -188,11 +189,15 @@ class ConvFunction(torch.autograd.Function):
                     gw = gw_c if gw is None else gw.add_(gw_c)
                     if need_b:
                         gb = gb_c if gb is None else gb.add_(gb_c)
+            elif need_x and need_w and not large_input(x_q):
+                # One call for a small input: its peak does not matter, a second call would
+                # cost more than the arithmetic. Bias grad comes with the weight grad (oneDNN
+                # computes them together); alone, it is just a sum, done below.
+                gi, gw, gb = conv_backward(go, decoded(), [True, True, need_b])
             elif need_x or need_w:
-                # Bias grad comes with the weight grad (oneDNN computes them together); alone,
-                # it is just a sum, done below. The weight gradient first, from the decoded
-                # input, which is freed before the input gradient exists: the backward then
-                # holds grad_out and one map more, not two (docs/design.md, "The step's peak").
+                # The weight gradient first, from the decoded input, which is freed before the
+                # input gradient exists: the backward then holds grad_out and one map more, not
+                # two (docs/design.md, "The step's peak").
                 if need_w:
                     x = decoded()
                     _, gw, gb = conv_backward(go, x, [False, True, need_b])
