@@ -333,3 +333,20 @@ def test_qlayernorm_reads_the_codes(shape, normalized, config, monkeypatch):
     for a, b in zip(codes, decoded):
         assert a.shape == b.shape
         _close(a, b, "gradient")
+
+
+def test_layer_norm_over_the_batch_dimension_keeps_the_decoded_path(monkeypatch):
+    """normalized_shape covering dim 0 (rows of codes are samples): not read from codes."""
+    torch.manual_seed(0)
+    ln = nn.LayerNorm([3, 10])
+    model = convert_model(nn.Sequential(ln), {"bits": 8, "strategy": "uniform"})
+    x = torch.randn(3, 10) * 2
+    g = torch.randn(3, 10)
+    got, calls = _layer_grads(model, x, g, "layer_norm_backward_codes", True, monkeypatch)
+    assert calls == 0
+    xx = x.clone().requires_grad_()
+    nn.functional.layer_norm(xx, [3, 10], ln.weight, ln.bias).backward(g)
+    assert torch.allclose(got[0], xx.grad, atol=0.05 * float(xx.grad.abs().max()))
+    q, grad, rstd, weight = _ln_codes(3, 0, 10, "8", 32, 0)
+    with pytest.raises(ValueError, match="do not tile"):
+        layer_norm_backward_codes(grad, q, rstd.reshape(-1)[:1], 30, None)

@@ -354,7 +354,8 @@ class LayerNormFunction(torch.autograd.Function):
         with no_autocast(grad_out.device.type):
             go = cast(grad_out, dt)
             w = cast(weight, to_dt)
-            if x_q is not None and reads_codes(go, x_q, rstd, w, "layer_norm_backward_codes"):
+            if (x_q is not None and len(ctx.normalized_shape) < go.dim()
+                    and reads_codes(go, x_q, rstd, w, "layer_norm_backward_codes")):
                 # from the codes, a row at a time (quant/norm_backward.py)
                 shape = ctx.normalized_shape
                 gi, gw, gb = layer_norm_backward_codes(go, x_q, rstd, math.prod(shape), w, need_x)

@@ -105,6 +105,9 @@ def layer_norm_backward_codes(grad: Tensor, q: QuantizedTensor, rstd: Tensor,
         raise ValueError(f"weight has {weight.numel()} values for {f} normalized ones")
     n = q.shape[0] if len(q.shape) >= 2 else 1
     d = grad.numel() // n if n else 0
+    if n and d % f:
+        raise ValueError(f"rows of {f} normalized values do not tile the {d} values of a sample:"
+                         " layer norm over the batch dimension is not read from codes")
     if q.mixed:
         row_bits, offsets = q.row_bits, q.offsets
     else:
