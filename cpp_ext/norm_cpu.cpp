@@ -246,6 +246,15 @@ void check_codes(const at::Tensor& data, const at::Tensor& lo, const at::Tensor&
   check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
 }
 
+// A contiguous float32 CPU gradient of `dims` dimensions, laid out as `layout` says.
+void check_grad(const at::Tensor& grad, int64_t dims, const char* layout) {
+  TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
+  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
+              grad.scalar_type());
+  TORCH_CHECK(grad.dim() == dims && grad.is_contiguous(), "grad must be a contiguous ", layout,
+              " tensor, got shape ", grad.sizes());
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
@@ -253,11 +262,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
     const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
     const at::Tensor& invstd, const std::optional<at::Tensor>& weight, bool need_input) {
   RECORD_USER_SCOPE("actnn_zoo::batch_norm_backward_codes");
-  TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
-  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
-              grad.scalar_type());
-  TORCH_CHECK(grad.dim() == 3 && grad.is_contiguous(),
-              "grad must be a contiguous (N, C, S) tensor, got shape ", grad.sizes());
+  check_grad(grad, 3, "(N, C, S)");
   const int64_t n_rows = grad.size(0), c = grad.size(1), s = grad.size(2);
   const int64_t d = c * s;
   check_codes(data, lo, step, bits, offsets, n_rows, d, group_size);
@@ -312,11 +317,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_codes_cpu(
     const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
     const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool need_input) {
   RECORD_USER_SCOPE("actnn_zoo::layer_norm_backward_codes");
-  TORCH_CHECK(grad.device().is_cpu(), "grad must be a CPU tensor, got one on ", grad.device());
-  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be float32, got ",
-              grad.scalar_type());
-  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(),
-              "grad must be a contiguous (rows, features) tensor, got shape ", grad.sizes());
+  check_grad(grad, 2, "(rows, features)");
   const int64_t rows = grad.size(0), f = grad.size(1);
   const int64_t n_rows = bits.dim() == 1 ? bits.size(0) : -1;
   TORCH_CHECK_VALUE(n_rows > 0 ? rows % n_rows == 0 : rows == 0, "the ", rows,

@@ -1,25 +1,18 @@
 """scripts/bits_vs_loss.py: run names, configs, resumability and the summary (no training)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from actnn_zoo.config import as_config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bits_vs_loss.py"
+from _scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bvl():
-    spec = importlib.util.spec_from_file_location("_az_bits_vs_loss", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return load_script("bits_vs_loss.py")
 
 
 def test_names_are_unique_and_configs_valid(bvl):

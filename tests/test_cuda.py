@@ -622,14 +622,11 @@ def _third_party(module: str, name: str):
     """A class of transformers / torchvision / timm (the latter two from .bench_deps, see
     scripts/third_party.py); skips the test when it is not importable."""
     import importlib
-    import importlib.util
-    from pathlib import Path
+
+    from _scripts import load_script
     if module.split(".")[0] != "transformers":
-        path = Path(__file__).resolve().parents[1] / "scripts" / "third_party.py"
-        spec = importlib.util.spec_from_file_location("_az_third_party_script", path)
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
-        script.import_vision()  # .bench_deps on sys.path, torchvision's operator schemas
+        # .bench_deps on sys.path, torchvision's operator schemas
+        load_script("third_party.py").import_vision()
     try:
         return getattr(importlib.import_module(module), name)
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"

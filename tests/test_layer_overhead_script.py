@@ -1,20 +1,15 @@
 """scripts/bench_layer_overhead.py: its table (a tiny run) and its argument errors."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_layer_overhead.py"
+from _scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("_az_bench_layer_overhead", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_layer_overhead.py")
 
 
 def test_one_row_per_layer_with_the_extra_time_of_each_variant(capsys):

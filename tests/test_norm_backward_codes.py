@@ -53,12 +53,7 @@ def _codes(n, c, spatial, widths, group, seed):
 
 def _reference(grad, q, invstd, weight, need_input=True):
     n, c = grad.shape[:2]
-    d = grad[0].numel()
-    if q.mixed:
-        row_bits, offsets = q.row_bits, q.offsets
-    else:
-        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
-        row_bits = torch.full((n,), q.bits, dtype=torch.uint8)
+    row_bits, offsets = q.row_layout()
     gi, gw, gb = reference.batch_norm_backward_codes(
         grad.reshape(n, c, -1), q.data, q.lo, q.step, row_bits, offsets, q.group_size, invstd,
         weight, need_input)
@@ -225,13 +220,7 @@ def _ln_codes(n, t, f, widths, group, seed):
 
 def _ln_reference(grad, q, rstd, weight, need_input=True):
     f = grad.shape[-1]
-    n = q.shape[0]
-    d = grad.numel() // n
-    if q.mixed:
-        row_bits, offsets = q.row_bits, q.offsets
-    else:
-        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
-        row_bits = torch.full((n,), q.bits, dtype=torch.uint8)
+    row_bits, offsets = q.row_layout()
     gi, gw, gb = reference.layer_norm_backward_codes(
         grad.reshape(-1, f), q.data, q.lo, q.step, row_bits, offsets, q.group_size,
         rstd.reshape(-1), weight, need_input)

@@ -2,21 +2,15 @@
 and names a bad layer."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 import actnn_zoo.functional.norm as fnorm
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_norm_codes.py"
+from _scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("_az_bench_norm_codes", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_norm_codes.py")
 
 
 def test_tiny_run_times_both_paths_and_restores_the_norms(capsys):

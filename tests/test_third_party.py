@@ -9,15 +9,15 @@ conversion keeps every parameter and buffer, and restore gives the original clas
 from __future__ import annotations
 
 import copy
-import importlib.util
 import warnings
-from pathlib import Path
 from typing import Callable, List, Tuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from _scripts import load_script
 
 import actnn_zoo as az
 import actnn_zoo.nn as qnn
@@ -340,11 +340,7 @@ def test_real_hf_models_convert_and_train(kind, expected):
 
 # ----------------------------------------------------------------------------- timm / torchvision
 def _vision():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "third_party.py"
-    spec = importlib.util.spec_from_file_location("_az_third_party_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    tv, timm, why = mod.import_vision()
+    tv, timm, why = load_script("third_party.py").import_vision()
     return tv, timm, why
 
 

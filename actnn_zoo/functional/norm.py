@@ -169,9 +169,10 @@ class BatchNormFunction(torch.autograd.Function):
         with no_autocast(grad_out.device.type):
             go = cast(grad_out, dt)
             chunks = sample_chunks(x_q, ctx.chunks)
-            if x_q is not None and reads_codes(go, x_q, invstd, cast(weight, dt)):
+            w = cast(weight, dt)
+            if x_q is not None and reads_codes(go, x_q, invstd, w):
                 # from the codes: no decoded x_hat, no aten temporary (quant/norm_backward.py)
-                gi, gw, gb = batch_norm_backward_codes(go, x_q, invstd, cast(weight, dt), need_x)
+                gi, gw, gb = batch_norm_backward_codes(go, x_q, invstd, w, need_x)
             elif chunks:
                 gi, gw, gb = _bn_backward_by_chunks(go, x_q, invstd, weight, chunks, ctx.x_format,
                                                     need_x)

@@ -541,12 +541,7 @@ def masked_grad_codes(grad: Tensor, q: QuantizedTensor) -> Tensor:
     if grad.numel() == 0:
         return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
     g2 = as_rows(grad.contiguous())
-    n, d = g2.shape
-    if q.mixed:
-        row_bits, offsets = q.row_bits, q.offsets
-    else:
-        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
-        row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
+    row_bits, offsets = q.row_layout()
     k = kernels(grad.device)
     fn = getattr(k, "masked_grad_codes", None)
     if fn is None or (grad.requires_grad and torch.is_grad_enabled()):

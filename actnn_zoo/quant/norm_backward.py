@@ -70,14 +70,7 @@ def batch_norm_backward_codes(grad: Tensor, q: QuantizedTensor, invstd: Tensor,
         if t is not None and (t.dim() != 1 or t.shape[0] != c):
             raise ValueError(f"{name} must have shape ({c},), got {tuple(t.shape)}")
     g3 = grad.contiguous().view(n, c, -1)
-    if q.mixed:
-        row_bits, offsets = q.row_bits, q.offsets
-    else:
-        d = g3.shape[1] * g3.shape[2]
-        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
-        row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
-    gi, gw, gb = _run("batch_norm_backward_codes", g3, q, row_bits, offsets, invstd, weight,
-                      need_input)
+    gi, gw, gb = _run("batch_norm_backward_codes", g3, q, invstd, weight, need_input)
     return (gi.view(grad.shape) if gi is not None else None), gw, gb
 
 
@@ -108,20 +101,15 @@ def layer_norm_backward_codes(grad: Tensor, q: QuantizedTensor, rstd: Tensor,
     if n and d % f:
         raise ValueError(f"rows of {f} normalized values do not tile the {d} values of a sample:"
                          " layer norm over the batch dimension is not read from codes")
-    if q.mixed:
-        row_bits, offsets = q.row_bits, q.offsets
-    else:
-        offsets = reference.uniform_offsets(n, d, q.bits, q.device)
-        row_bits = torch.full((n,), q.bits, dtype=torch.uint8, device=q.device)
-    gi, gw, gb = _run("layer_norm_backward_codes", g2, q, row_bits, offsets,
-                      rstd.reshape(-1), None if weight is None else weight.reshape(-1),
-                      need_input)
+    gi, gw, gb = _run("layer_norm_backward_codes", g2, q, rstd.reshape(-1),
+                      None if weight is None else weight.reshape(-1), need_input)
     return (gi.view(grad.shape) if gi is not None else None), gw, gb
 
 
-def _run(name: str, grad: Tensor, q: QuantizedTensor, row_bits: Tensor, offsets: Tensor,
-         stat: Tensor, weight: Optional[Tensor], need_input: bool):
+def _run(name: str, grad: Tensor, q: QuantizedTensor, stat: Tensor, weight: Optional[Tensor],
+         need_input: bool):
     """The compiled kernel ``name`` on the CPU for float32 tensors, else its torch twin."""
+    row_bits, offsets = q.row_layout()
     fn = getattr(kernels(grad.device), name, None)
     if fn is None or grad.device.type != "cpu" or not all(
             t.dtype == torch.float32 for t in (grad, stat, weight) if t is not None):

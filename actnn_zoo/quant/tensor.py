@@ -87,6 +87,19 @@ class QuantizedTensor(CompressedPayload):
         return cls(data, lo, step, shape, dtype, bits, group_size, row_bits, offsets, transform,
                    transform_seed, zero_exact)
 
+    def row_layout(self) -> Tuple[Tensor, Tensor]:
+        """(row widths uint8 (N,), row byte offsets int64 (N + 1,)) as the general kernels take
+        them: the stored ones with per-sample widths, else made for the one width (rows are
+        dim 0, a 0-d or 1-d tensor one row)."""
+        if self.mixed:
+            return self.row_bits, self.offsets
+        from .reference import uniform_offsets  # reference imports nothing of the package
+
+        n = self.shape[0] if len(self.shape) >= 2 else 1
+        d = self.shape.numel() // n if n else 0
+        return (torch.full((n,), self.bits, dtype=torch.uint8, device=self.device),
+                uniform_offsets(n, d, self.bits, self.device))
+
     def __repr__(self) -> str:
         width = "mixed" if self.mixed else f"{self.bits}"
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={width}, "
