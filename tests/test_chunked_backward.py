@@ -319,3 +319,76 @@ def test_weight_gradient_first_equals_one_call(need, monkeypatch):
     assert len(split) == len(one) == (3 if need == "both" else 2)
     for a, b in zip(split, one):
         _close_up_to_summation_order(a, b)
+
+
+_CONV_CLASSES = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (3, False): nn.Conv3d,
+                 (1, True): nn.ConvTranspose1d, (2, True): nn.ConvTranspose2d,
+                 (3, True): nn.ConvTranspose3d}
+
+
+@settings(max_examples=60, deadline=None)
+@given(dims=st.integers(1, 3), transposed=st.booleans(), stride=st.integers(1, 3),
+       dilation=st.integers(1, 2), kernel=st.integers(1, 4), groups=st.sampled_from([1, 2]),
+       size=st.integers(5, 9), data=st.data())
+def test_input_gradient_of_the_split_backward_is_exact(dims, transposed, stride, dilation,
+                                                       kernel, groups, size, data):
+    """With the weight gradient first (large_input), the input gradient comes from the adjoint
+    op (``ConvSpec.input_grad``: transposed conv for a conv, conv for a transposed one) or, where
+    sizes do not fit, aten's backward with a stand-in input. It does not read the saved input,
+    so it must equal fp32 autograd's up to summation order, for every stride / padding /
+    dilation / groups / output padding / padding mode."""
+    kw = dict(stride=stride, dilation=dilation, groups=groups, bias=data.draw(st.booleans()))
+    if transposed:
+        kw["padding"] = data.draw(st.integers(0, dilation * (kernel - 1) // 2))
+        kw["output_padding"] = data.draw(st.integers(0, max(stride, dilation) - 1))
+    else:
+        kw["padding"] = data.draw(st.sampled_from(
+            [0, 1, "valid"] + (["same"] if stride == 1 else [])))
+        if kw["padding"] not in ("same", "valid") and data.draw(st.booleans()):
+            kw["padding_mode"] = data.draw(st.sampled_from(["reflect", "replicate", "circular"]))
+            kw["padding"] = 1
+    if not transposed and size + 2 * (kw["padding"] if isinstance(kw["padding"], int) else 0) \
+            < dilation * (kernel - 1) + 1:
+        return  # the conv would have no output
+    torch.manual_seed(0)
+    layer = _CONV_CLASSES[dims, transposed](2 * groups, 3 * groups, kernel, **kw)
+    x = torch.randn((2, 2 * groups) + (size,) * dims, requires_grad=True)
+    out = layer(x)
+    g = torch.randn_like(out)
+    (want,) = torch.autograd.grad(out, x, g)
+
+    _saving.CHUNK_MIN_BYTES, saved = 0, _saving.CHUNK_MIN_BYTES
+    try:
+        q = az.convert_model(copy.deepcopy(layer), QuantConfig(bits=2, strategy="uniform",
+                                                               capture=False))
+        xq = x.detach().clone().requires_grad_()
+        (got,) = torch.autograd.grad(q(xq), xq, g)
+    finally:
+        _saving.CHUNK_MIN_BYTES = saved
+    assert got.shape == want.shape
+    _close_up_to_summation_order(got, want)
+
+
+def test_input_gradient_falls_back_where_sizes_do_not_fit():
+    """A transposed conv with output padding of its stride or more (allowed when below the
+    dilation) has no plain conv of the right size as its adjoint: None, and the aten path."""
+    from actnn_zoo.functional.conv import ConvSpec
+
+    spec = ConvSpec(dims=1, stride=(1,), padding=(0,), dilation=(3,), groups=1, transposed=True,
+                    output_padding=(2,))
+    w = torch.randn(2, 3, 2)
+    x = torch.randn(1, 2, 5)
+    out = torch.nn.functional.conv_transpose1d(x, w, None, 1, 0, 2, 1, 3)
+    assert spec.input_grad(torch.randn_like(out), w, [0], x.shape) is None
+    layer = nn.ConvTranspose1d(2, 3, 2, dilation=3, output_padding=2)
+    x.requires_grad_()
+    g = torch.randn_like(layer(x))
+    (want,) = torch.autograd.grad(layer(x), x, g)
+    _saving.CHUNK_MIN_BYTES, saved = 0, _saving.CHUNK_MIN_BYTES
+    try:
+        q = az.convert_model(copy.deepcopy(layer), QuantConfig(bits=2, capture=False))
+        xq = x.detach().clone().requires_grad_()
+        (got,) = torch.autograd.grad(q(xq), xq, g)
+    finally:
+        _saving.CHUNK_MIN_BYTES = saved
+    _close_up_to_summation_order(got, want)

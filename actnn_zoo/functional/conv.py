@@ -109,6 +109,36 @@ class ConvSpec:
     def output_padding_list(self) -> List[int]:
         return list(self.output_padding) if self.transposed else [0] * self.dims
 
+    def input_grad(self, grad: Tensor, weight: Tensor, padding: List[int],
+                   shape: torch.Size) -> Optional[Tensor]:
+        """The input gradient as the adjoint op's forward, or None where it does not fit.
+
+        A conv's input gradient is the transposed conv of grad_out (and the reverse), with the
+        output padding that restores ``shape``. This needs no input tensor: aten's
+        ``convolution_backward`` with a stand-in input copies it to a contiguous full map
+        (oneDNN), which costs a pass and a map the size of the input (docs/design.md,
+        "The step's peak"). None when the sizes cannot be matched (transposed output padding
+        of a stride or more).
+        """
+        kernel = weight.shape[2:]
+        out_pad = []
+        for i, (n_in, n_out) in enumerate(zip(shape[2:], grad.shape[2:])):
+            s, p, d, k = self.stride[i], padding[i], self.dilation[i], kernel[i]
+            span = d * (k - 1) + 1
+            if self.transposed:  # the adjoint is a plain conv: its output size must be n_in
+                if (n_out + 2 * p - span) // s + 1 != n_in:
+                    return None
+            else:
+                extra = n_in - ((n_out - 1) * s - 2 * p + span)
+                if not 0 <= extra < max(s, d):
+                    return None
+                out_pad.append(extra)
+        if self.transposed:
+            return _CONV[self.dims](grad, weight, None, self.stride, padding, self.dilation,
+                                    self.groups)
+        return _CONV_T[self.dims](grad, weight, None, self.stride, padding, out_pad,
+                                  self.groups, self.dilation)
+
 
 def _padded_shape(shape: torch.Size, spec: ConvSpec) -> torch.Size:
     """The input's shape after padding_mode's F.pad."""
@@ -203,6 +233,8 @@ class ConvFunction(torch.autograd.Function):
                     _, gw, gb = conv_backward(go, x, [False, True, need_b])
                     del x
                 if need_x:
+                    gi = spec.input_grad(go, w, pad, padded_shape)
+                if need_x and gi is None:
                     # The op reads the input's shape, not its values, for the input gradient.
                     shape_only = go.new_empty(()).expand(padded_shape)
                     gi = conv_backward(go, shape_only, [True, False, False])[0]
