@@ -1,5 +1,4 @@
-// Batch norm's training backward and layer norm's backward read from the codes of their saved
-// x_hat (CPU).
+// Batch, layer and group norm's backward read from the codes of their saved x_hat (CPU).
 //
 // QBatchNorm saves x_hat = (x - mean) * invstd quantized. Decoding it into a float map, turning
 // that back into x and calling aten's native_batch_norm_backward held three full maps next to
@@ -17,6 +16,11 @@
 // Layer norm, per row r of f features: gb = sum_r g, gw = sum_r g * x_hat, and
 //   gi = (wg - mean(wg) - x_hat * mean(wg * x_hat)) * rstd,   wg = g * w
 // (reference.layer_norm_backward_codes); the row means in 16 float lanes added in float64.
+//
+// Group norm is that formula over the (sample, group) rows with w per channel: batch norm's
+// plane sums give gb and gw (summed over samples) and, weighted by w, each row's two means;
+// gi then takes batch norm's elementwise pass with per-(sample, channel) factors
+// (reference.group_norm_backward_codes).
 #include "kernels.h"
 #include "decode_cpu.h"
 #include "isa_cpu.h"
@@ -114,11 +118,12 @@ void plane_sums(const float* grad, const uint8_t* data, const uint16_t* lo, cons
   });
 }
 
-// Pass 2: gi = (g - mg[c] - x_hat * kx[c]) * sc[c], a group at a time.
+// Pass 2: gi = (g * a[i] - mg[i] - x_hat * kx[i]) * sc[i], a group at a time, with i the
+// channel (batch norm: a == nullptr, no product) or, when per_sample, (sample, channel).
 void input_grad(const float* grad, const uint8_t* data, const uint16_t* lo, const uint16_t* step,
                 const uint8_t* bits, const int64_t* offsets, int64_t n_rows, int64_t c,
                 int64_t s, int64_t group_size, const float* mg, const float* kx,
-                const float* sc, float* gi) {
+                const float* sc, float* gi, const float* a = nullptr, bool per_sample = false) {
   const int64_t d = c * s;
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / group_size);
@@ -136,13 +141,24 @@ void input_grad(const float* grad, const uint8_t* data, const uint16_t* lo, cons
       while (pos < len) {
         const int64_t ch = (start + pos) / s;
         const int64_t stop = std::min(len, (ch + 1) * s - start);
-        const float m = mg[ch], k = kx[ch], f = sc[ch];
+        const int64_t i = per_sample ? n * c + ch : ch;
+        const float m = mg[i], k = kx[i], f = sc[i];
         const float* x = buf.data();
+        if (a != nullptr) {
+          const float w = a[i];
 #pragma omp simd
-        for (int64_t e = pos; e < stop; ++e) {
-          const float t = gr[e] - m;
-          const float u = x[e] * k;
-          out[e] = (t - u) * f;
+          for (int64_t e = pos; e < stop; ++e) {
+            const float t = gr[e] * w - m;
+            const float u = x[e] * k;
+            out[e] = (t - u) * f;
+          }
+        } else {
+#pragma omp simd
+          for (int64_t e = pos; e < stop; ++e) {
+            const float t = gr[e] - m;
+            const float u = x[e] * k;
+            out[e] = (t - u) * f;
+          }
         }
         pos = stop;
       }
@@ -255,6 +271,58 @@ void check_grad(const at::Tensor& grad, int64_t dims, const char* layout) {
               " tensor, got shape ", grad.sizes());
 }
 
+// (gi: uninitialised unless empty, None unless need_input; gw, gb: c zeros), what the kernels
+// fill and return.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_grads(const at::Tensor& grad, int64_t c,
+                                                          bool need_input, bool empty) {
+  at::Tensor gi = need_input ? (empty ? at::zeros_like(grad) : at::empty_like(grad))
+                             : at::Tensor();
+  return {gi, at::zeros({c}, grad.options()), at::zeros({c}, grad.options())};
+}
+
+// The codes' tensors as the passes read them.
+struct Codes {
+  const uint8_t* data;
+  const uint16_t* lo;
+  const uint16_t* step;
+  const uint8_t* bits;
+  const int64_t* offsets;
+  int64_t group_size;
+};
+
+Codes codes_of(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+               const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size) {
+  return {data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>()),
+          reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>()),
+          bits.data_ptr<uint8_t>(), offsets.data_ptr<int64_t>(), group_size};
+}
+
+// Pass 1 of batch and group norm on grad (N, C, S): the (sample, channel) sums of g and
+// g * x_hat, (N, C, 2) float64, and their channel totals in sample order (deterministic):
+// in float64 in tot (sum g, sum g * x_hat per channel), in float32 in gb and gw.
+at::Tensor channel_sums(const at::Tensor& grad, const Codes& k, at::Tensor& gw, at::Tensor& gb,
+                        std::vector<double>& tot) {
+  const int64_t n_rows = grad.size(0), c = grad.size(1), s = grad.size(2);
+  at::Tensor part = at::empty({n_rows, c, 2}, grad.options().dtype(at::kDouble));
+  const double* p = part.data_ptr<double>();
+  plane_sums(grad.data_ptr<float>(), k.data, k.lo, k.step, k.bits, k.offsets, n_rows, c, s,
+             k.group_size, part.data_ptr<double>());
+  float* gw_p = gw.data_ptr<float>();
+  float* gb_p = gb.data_ptr<float>();
+  for (int64_t ch = 0; ch < c; ++ch) {
+    double t = 0.0, tx = 0.0;
+    for (int64_t n = 0; n < n_rows; ++n) {
+      t += p[2 * (n * c + ch)];
+      tx += p[2 * (n * c + ch) + 1];
+    }
+    tot[2 * ch] = t;
+    tot[2 * ch + 1] = tx;
+    gb_p[ch] = static_cast<float>(t);
+    gw_p[ch] = static_cast<float>(tx);
+  }
+  return part;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
@@ -269,45 +337,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
   check_stat(invstd, "invstd", c);
   if (weight.has_value()) check_stat(*weight, "weight", c);
 
-  at::Tensor part = at::empty({n_rows, c, 2}, grad.options().dtype(at::kDouble));
-  at::Tensor gw = at::zeros({c}, grad.options());
-  at::Tensor gb = at::zeros({c}, grad.options());
-  at::Tensor gi = need_input ? at::empty_like(grad) : at::Tensor();
-  if (n_rows == 0 || d == 0) {
-    if (need_input) gi.zero_();
-    return {gi, gw, gb};
-  }
-  const float* g = grad.data_ptr<float>();
-  const uint8_t* in = data.data_ptr<uint8_t>();
-  const uint16_t* lo_p = reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>());
-  const uint16_t* step_p = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
-  const uint8_t* b = bits.data_ptr<uint8_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  double* p = part.data_ptr<double>();
-  plane_sums(g, in, lo_p, step_p, b, off, n_rows, c, s, group_size, p);
-
-  // Channel totals in sample order (deterministic), then the per-channel factors of gi.
-  std::vector<float> mg(c), kx(c), sc(c);
-  float* gw_p = gw.data_ptr<float>();
-  float* gb_p = gb.data_ptr<float>();
-  const float* inv = invstd.data_ptr<float>();
-  const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
-  const double count = static_cast<double>(n_rows) * static_cast<double>(s);
-  for (int64_t ch = 0; ch < c; ++ch) {
-    double t = 0.0, tx = 0.0;
-    for (int64_t n = 0; n < n_rows; ++n) {
-      t += p[2 * (n * c + ch)];
-      tx += p[2 * (n * c + ch) + 1];
+  auto [gi, gw, gb] = norm_grads(grad, c, need_input, n_rows == 0 || d == 0);
+  if (n_rows == 0 || d == 0) return {gi, gw, gb};
+  const Codes k = codes_of(data, lo, step, bits, offsets, group_size);
+  std::vector<double> tot(2 * c);
+  channel_sums(grad, k, gw, gb, tot);
+  if (need_input) {  // the per-channel factors of gi
+    std::vector<float> mg(c), kx(c), sc(c);
+    const float* inv = invstd.data_ptr<float>();
+    const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
+    const double count = static_cast<double>(n_rows) * static_cast<double>(s);
+    for (int64_t ch = 0; ch < c; ++ch) {
+      mg[ch] = static_cast<float>(tot[2 * ch] / count);
+      kx[ch] = static_cast<float>(tot[2 * ch + 1] / count);
+      sc[ch] = w != nullptr ? inv[ch] * w[ch] : inv[ch];
     }
-    gb_p[ch] = static_cast<float>(t);
-    gw_p[ch] = static_cast<float>(tx);
-    mg[ch] = static_cast<float>(t / count);
-    kx[ch] = static_cast<float>(tx / count);
-    sc[ch] = w != nullptr ? inv[ch] * w[ch] : inv[ch];
-  }
-  if (need_input) {
-    input_grad(g, in, lo_p, step_p, b, off, n_rows, c, s, group_size, mg.data(), kx.data(),
-               sc.data(), gi.data_ptr<float>());
+    input_grad(grad.data_ptr<float>(), k.data, k.lo, k.step, k.bits, k.offsets, n_rows, c, s,
+               group_size, mg.data(), kx.data(), sc.data(), gi.data_ptr<float>());
   }
   return {gi, gw, gb};
 }
@@ -360,6 +406,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_codes_cpu(
   return {gi, gw, gb};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_codes_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool need_input,
+    int64_t groups) {
+  RECORD_USER_SCOPE("actnn_zoo::group_norm_backward_codes");
+  check_grad(grad, 3, "(N, C, S)");
+  const int64_t n_rows = grad.size(0), c = grad.size(1), s = grad.size(2);
+  TORCH_CHECK_VALUE(groups > 0 && c % groups == 0, c, " channels do not split into ", groups,
+                    " groups");
+  const int64_t d = c * s;
+  check_codes(data, lo, step, bits, offsets, n_rows, d, group_size);
+  check_stat(rstd, "rstd", n_rows * groups);
+  if (weight.has_value()) check_stat(*weight, "weight", c);
+
+  auto [gi, gw, gb] = norm_grads(grad, c, need_input, n_rows == 0 || d == 0);
+  if (n_rows == 0 || d == 0) return {gi, gw, gb};
+  const Codes k = codes_of(data, lo, step, bits, offsets, group_size);
+  std::vector<double> tot(2 * c);
+  const at::Tensor part = channel_sums(grad, k, gw, gb, tot);
+  const double* p = part.data_ptr<double>();
+  if (need_input) {
+    // Per (sample, group) row of m values: mean(wg) and mean(wg * x_hat) from the plane sums,
+    // each channel's weighted by its w; every channel of the row gets them and the row's rstd.
+    const int64_t cg = c / groups;
+    const double m = static_cast<double>(cg) * static_cast<double>(s);
+    const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
+    const float* r = rstd.data_ptr<float>();
+    std::vector<float> a(n_rows * c), mg(n_rows * c), kx(n_rows * c), sc(n_rows * c);
+    for (int64_t n = 0; n < n_rows; ++n) {
+      for (int64_t gr = 0; gr < groups; ++gr) {
+        double t = 0.0, tx = 0.0;
+        for (int64_t ch = gr * cg; ch < (gr + 1) * cg; ++ch) {
+          const double wc = w != nullptr ? static_cast<double>(w[ch]) : 1.0;
+          t += wc * p[2 * (n * c + ch)];
+          tx += wc * p[2 * (n * c + ch) + 1];
+        }
+        for (int64_t ch = gr * cg; ch < (gr + 1) * cg; ++ch) {
+          const int64_t i = n * c + ch;
+          a[i] = w != nullptr ? w[ch] : 1.0f;
+          mg[i] = static_cast<float>(t / m);
+          kx[i] = static_cast<float>(tx / m);
+          sc[i] = r[n * groups + gr];
+        }
+      }
+    }
+    input_grad(grad.data_ptr<float>(), k.data, k.lo, k.step, k.bits, k.offsets, n_rows, c, s,
+               group_size, mg.data(), kx.data(), sc.data(), gi.data_ptr<float>(), a.data(),
+               true);
+  }
+  return {gi, gw, gb};
+}
+
 using NormCodes = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
@@ -382,6 +481,15 @@ void register_norm(pybind11::module_& m) {
            "Layer norm's backward from the codes of its saved x_hat: grad (rows, features) "
            "float32, rows a multiple of the coded samples -> (grad_input or None, "
            "grad_weight, grad_bias), float32 (reference.layer_norm_backward_codes). CPU only.");
+  namespace py = pybind11;
+  m.def("group_norm_backward_codes", &group_norm_backward_codes_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
+        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("offsets"),
+        py::arg("group_size"), py::arg("rstd"), py::arg("weight"), py::arg("need_input"),
+        py::arg("groups"),
+        "Group norm's backward from the codes of its saved x_hat: grad (N, C, S) float32, "
+        "rstd (N * groups,) -> (grad_input or None, grad_weight, grad_bias), float32 "
+        "(reference.group_norm_backward_codes). CPU only.");
 }
 
 }  // namespace actnn_zoo

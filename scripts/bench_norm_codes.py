@@ -1,6 +1,6 @@
 """The norms' backward from codes against the decoded path, in one process.
 
-Batch and layer norm read their saved x_hat from the codes (``actnn_zoo.quant.norm_backward``);
+Batch, layer and group norm read their saved x_hat from the codes (``actnn_zoo.quant.norm_backward``);
 the decoded path (decode x_hat, rebuild x, aten's backward) is what ran before. Both are timed
 round-robin in one process, so a machine shared with other jobs slows them alike: the training
 step of a model (fp32 as the base of the ratios) and forward + backward of the norm layers alone.
@@ -30,6 +30,8 @@ LAYERS = {  # name -> (torch layer, input shape)
     "bn 64x64x28x28": (lambda: nn.BatchNorm2d(64), (64, 64, 28, 28)),
     "ln 32x128x128": (lambda: nn.LayerNorm(128), (32, 128, 128)),
     "ln 32x128x768": (lambda: nn.LayerNorm(768), (32, 128, 768)),
+    "gn 64x64x28x28": (lambda: nn.GroupNorm(32, 64), (64, 64, 28, 28)),
+    "gn 16x128x16x16": (lambda: nn.GroupNorm(8, 128), (16, 128, 16, 16)),
 }
 
 

@@ -5,8 +5,8 @@ choice is made once, so the portable path is run in a child process with
 ACTNN_ZOO_CPU_ISA=baseline and its outputs compared with this process's, bit for bit: codes,
 metadata and decoded values at every width and dtype, per-sample widths, zero-exact codes, the
 fused mask backward, sparse codes (byte shuffles), the packed comparisons, the actnn strategy's
-range statistic, the norms' backward from codes and DIVISION's kernels, on odd sizes (tails
-shorter than a vector).
+range statistic, the norms' backward from codes (batch, layer, group) and DIVISION's kernels,
+on odd sizes (tails shorter than a vector).
 """
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ def outputs():
             q = Q.quantize(xh.reshape(5, 7, 27)[..., :9].contiguous(), 2, 32, seed=17)
             gl = torch.randn(5, 7, 9, generator=g)
             out["ln-codes"] = layer_norm_backward_codes(gl, q, rows, 9, lw)
+            from actnn_zoo.quant.norm_backward import group_norm_backward_codes
+            xg = torch.randn(5, 6, 7, 9, generator=g)
+            q = Q.quantize(xg, 2, 64, seed=19)
+            out["gn-codes"] = group_norm_backward_codes(
+                torch.randn(xg.shape, generator=g), q, torch.rand(5, 3, generator=g) + 0.5, 3,
+                torch.rand(6, generator=g))
         maps = (torch.randn(3, 5, 19, 13, generator=g) * 2).to(dtype)
         d = division_quantize(maps, 2, 8, seed=9)
         out[f"{dtype}-division"] = (d.data, d.low, d.lo, d.step, division_dequantize(d))

@@ -1,11 +1,12 @@
-"""Batch norm's and layer norm's backward read from the codes of their saved x_hat
+"""Batch, layer and group norm's backward read from the codes of their saved x_hat
 (``quant.norm_backward``).
 
 The CPU kernels (``_C.batch_norm_backward_codes``, ``_C.layer_norm_backward_codes``) against
 their torch twins in ``quant.reference`` (float64 sums on the decoded x_hat) over shapes, widths
 and group sizes (hypothesis); the formulas against aten's ``native_batch_norm_backward`` /
 ``native_layer_norm_backward`` in float64; the same bits at one and two threads; bad input; and
-QBatchNorm / QLayerNorm taking the path (batch norm leaving channels-last gradients to aten)
+QBatchNorm / QLayerNorm / QGroupNorm taking the path (batch and group norm leaving
+channels-last gradients to aten)
 with gradients equal to the decoded path's up to float rounding, including a retained graph run
 twice.
 """
@@ -20,8 +21,8 @@ from torch import nn
 import actnn_zoo.functional.norm as fnorm
 from actnn_zoo import convert_model
 from actnn_zoo.quant import QuantizedTensor, SampleBits, dequantize, quantize, reference
-from actnn_zoo.quant.norm_backward import (batch_norm_backward_codes, layer_norm_backward_codes,
-                                           reads_codes)
+from actnn_zoo.quant.norm_backward import (batch_norm_backward_codes, group_norm_backward_codes,
+                                           layer_norm_backward_codes, reads_codes)
 
 from _ext import compiled_extension
 
@@ -262,15 +263,21 @@ def test_layer_norm_formula_is_aten_layer_norm_backward():
     assert torch.allclose(rw, gw.float(), atol=1e-5) and torch.allclose(rb, gb.float(), atol=1e-5)
 
 
-def test_layer_norm_same_bits_at_any_thread_count():
+@pytest.mark.parametrize("norm", ["layer", "group"])
+def test_layer_and_group_norm_same_bits_at_any_thread_count(norm):
     compiled_extension()
-    q, grad, rstd, weight = _ln_codes(5, 300, 40, "sample", 64, 8)  # several tasks
+    if norm == "layer":
+        q, grad, stat, weight = _ln_codes(5, 300, 40, "sample", 64, 8)  # several tasks
+        run = lambda: layer_norm_backward_codes(grad, q, stat, 40, weight)  # noqa: E731
+    else:
+        q, grad, stat, weight = _gn_codes(6, 64, 32, (40, 40), "sample", 64, 3)  # 20 tasks
+        run = lambda: group_norm_backward_codes(grad, q, stat, 32, weight)  # noqa: E731
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = layer_norm_backward_codes(grad, q, rstd, 40, weight)
+        one = run()
         torch.set_num_threads(2)
-        two = layer_norm_backward_codes(grad, q, rstd, 40, weight)
+        two = run()
     finally:
         torch.set_num_threads(before)
     for a, b in zip(one, two):
@@ -339,3 +346,103 @@ def test_layer_norm_over_the_batch_dimension_keeps_the_decoded_path(monkeypatch)
     q, grad, rstd, weight = _ln_codes(3, 0, 10, "8", 32, 0)
     with pytest.raises(ValueError, match="do not tile"):
         layer_norm_backward_codes(grad, q, rstd.reshape(-1)[:1], 30, None)
+
+
+# ------------------------------------------------------------------------------ group norm ----
+def _gn_codes(n, c, groups, spatial, widths, group, seed):
+    g, q, grad = _payload((n, c) + spatial, widths, group, seed)
+    rstd = torch.rand(n, groups, generator=g) + 0.5
+    weight = torch.rand(c, generator=g) + 0.5
+    return q, grad, rstd, weight
+
+
+def _gn_aten(grad, q, rstd, groups, weight):
+    """aten's group-norm backward in float64 on x rebuilt from the decoded x_hat."""
+    n, c = grad.shape[:2]
+    hw = grad[0, 0].numel()
+    x_hat = dequantize(q).double()
+    mean = torch.randn(n, groups, dtype=torch.float64)
+    per = (n, groups, -1)
+    x = (x_hat.reshape(per) / rstd.double().reshape(n, groups, 1)
+         + mean.reshape(n, groups, 1)).reshape(grad.shape)
+    return torch.ops.aten.native_group_norm_backward(
+        grad.double(), x, mean, rstd.double(), None if weight is None else weight.double(),
+        n, c, hw, groups, [True, weight is not None, weight is not None])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 5), cg=st.integers(1, 4), groups=st.integers(1, 4),
+       spatial=st.sampled_from([(), (1,), (5,), (3, 7), (2, 2, 3)]),
+       widths=st.sampled_from(["1", "2", "4", "8", "sample"]),
+       group=st.sampled_from([8, 32, 256]), seed=st.integers(0, 2 ** 31 - 1),
+       affine=st.booleans(), need_input=st.booleans())
+def test_group_norm_kernel_matches_aten(n, cg, groups, spatial, widths, group, seed, affine,
+                                        need_input):
+    """The kernel (or its torch twin without the extension) against aten's float64 group-norm
+    backward on x rebuilt from the same decoded x_hat: float rounding only."""
+    q, grad, rstd, weight = _gn_codes(n, cg * groups, groups, spatial, widths, group, seed)
+    w = weight if affine else None
+    gi, gw, gb = group_norm_backward_codes(grad, q, rstd, groups, w, need_input)
+    ri, rw, rb = _gn_aten(grad, q, rstd, groups, w)
+    if affine:
+        _close(gw, rw.float(), "grad_weight")
+        _close(gb, rb.float(), "grad_bias")
+    else:
+        assert gw.shape == gb.shape == (cg * groups,)  # per channel all the same
+    if need_input:
+        assert gi.shape == grad.shape
+        _close(gi, ri.float(), "grad_input")
+    else:
+        assert gi is None
+
+
+def test_group_norm_bad_input_is_named():
+    q, grad, rstd, weight = _gn_codes(3, 6, 3, (4,), "2", 32, 1)
+    with pytest.raises(ValueError, match="shape"):
+        group_norm_backward_codes(grad[:2], q, rstd, 3, weight)
+    with pytest.raises(ValueError, match="do not split into 4 groups"):
+        group_norm_backward_codes(grad, q, rstd, 4, weight)
+    with pytest.raises(ValueError, match="rstd has"):
+        group_norm_backward_codes(grad, q, rstd[:2], 3, weight)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        group_norm_backward_codes(grad, q, rstd, 3, weight[:5])
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        group_norm_backward_codes(grad, grad, rstd, 3, weight)
+    ext = compiled_extension()
+    off = reference.uniform_offsets(3, 24, 2, grad.device)
+    rb = torch.full((3,), 2, dtype=torch.uint8)
+    g3 = grad.reshape(3, 6, 4)
+    with pytest.raises((RuntimeError, ValueError), match="do not split into 4 groups"):
+        ext.group_norm_backward_codes(g3, q.data, q.lo, q.step, rb, off, 32, rstd.reshape(-1),
+                                      weight, True, 4)
+    with pytest.raises((RuntimeError, ValueError), match="rstd must be"):
+        ext.group_norm_backward_codes(g3, q.data, q.lo, q.step, rb, off, 32,
+                                      rstd.reshape(-1)[:8], weight, True, 3)
+    with pytest.raises((RuntimeError, ValueError), match="weight must be"):
+        ext.group_norm_backward_codes(g3, q.data, q.lo, q.step, rb, off, 32, rstd.reshape(-1),
+                                      torch.ones(4), True, 3)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("config", [{"bits": 2, "strategy": "uniform"}, None])
+def test_qgroupnorm_reads_the_codes(memory_format, affine, config, monkeypatch):
+    compiled_extension()
+    torch.manual_seed(0)
+    gn = nn.GroupNorm(3, 12, affine=affine)
+    if affine:
+        with torch.no_grad():
+            gn.weight.uniform_(0.5, 1.5)
+            gn.bias.uniform_(-1, 1)
+    model = convert_model(nn.Sequential(gn), config)
+    x = (torch.randn(6, 12, 5, 7) * 2 + 1).contiguous(memory_format=memory_format)
+    g = torch.randn(x.shape).contiguous(memory_format=memory_format)
+    codes, n_codes = _layer_grads(model, x, g, "group_norm_backward_codes", True, monkeypatch)
+    decoded, n_decoded = _layer_grads(model, x, g, "group_norm_backward_codes", False,
+                                      monkeypatch)
+    assert n_decoded == 0
+    assert n_codes == (2 if memory_format == torch.contiguous_format else 0)
+    assert len(codes) == (3 if affine else 1)
+    for a, b in zip(codes, decoded):
+        assert a.shape == b.shape
+        _close(a, b, "gradient")

@@ -5,9 +5,10 @@ Forward runs the public ``aten::native_*_norm`` op on the real input: the same k
 functional op ends in, so the output is torch's, and it also returns the statistics (mean and
 invstd / rstd) that backward needs. Saved: compress(x_hat) with x_hat = (x - mean) * invstd,
 the statistics (one pair per channel, row or group, exact), the weight (a Parameter). Backward
-rebuilds x = x_hat / invstd + mean and calls the public ``aten::native_*_norm_backward``;
-batch norm with a saved input of 1 MiB or more instead evaluates the same formula in x_hat a
-chunk of samples at a time (``_bn_backward_by_chunks``), holding no full-size decoded copy.
+reads the codes of x_hat directly on the CPU (``quant.norm_backward``: batch norm per channel,
+layer and group norm per row); elsewhere it rebuilds x = x_hat / invstd + mean and calls the
+public ``aten::native_*_norm_backward``, and batch norm with ``backward_chunks`` evaluates the
+same formula in x_hat a chunk of samples at a time (``_bn_backward_by_chunks``).
 
 Why the normalized input: a quantization group holds 256 consecutive values, which mixes
 channels whenever a feature map has fewer positions than that (late CNN stages, batch 8:
@@ -36,8 +37,8 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor
-from ..quant.norm_backward import (batch_norm_backward_codes, layer_norm_backward_codes,
-                                   reads_codes)
+from ..quant.norm_backward import (batch_norm_backward_codes, group_norm_backward_codes,
+                                   layer_norm_backward_codes, reads_codes)
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
                       restore, sample_chunks, save)
 from .linear import cast, dtype_of, first_order_only, memory_format_of, no_autocast
@@ -414,15 +415,19 @@ class GroupNormFunction(torch.autograd.Function):
         with no_autocast(grad_out.device.type):
             # Like autograd's own rule: gradient and input in the input's memory format.
             go = cast(grad_out, dt).contiguous(memory_format=ctx.x_format)
-            if x_q is not None:
+            w = cast(weight, dt if dt != x_dtype else None)
+            if (x_q is not None and go.numel()
+                    and reads_codes(go, x_q, rstd, w, "group_norm_backward_codes")):
+                # from the codes, a (sample, group) row at a time (quant/norm_backward.py)
+                gi, gw, gb = group_norm_backward_codes(go, x_q, rstd, g, w, need_x)
+            elif x_q is not None:
                 x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
                 x = _denormalize(x_hat, _per_group(mean, x_hat, g), _per_group(rstd, x_hat, g),
                                  dt, owned=not isinstance(x_q, Tensor)
                                  ).contiguous(memory_format=ctx.x_format)
                 del x_hat
                 gi, gw, gb = torch.ops.aten.native_group_norm_backward(
-                    go, x, mean, rstd, cast(weight, dt if dt != x_dtype else None), n, c, hxw,
-                    g, [need_x, need_w, need_b])
+                    go, x, mean, rstd, w, n, c, hxw, g, [need_x, need_w, need_b])
             elif need_b:
                 gb = go.sum(_channel_dims(go))
         return (cast(gi, x_dtype) if need_x else None, None,

@@ -9,7 +9,10 @@ codes a group at a time and holds only the input gradient it returns, in two pas
 gradient and the codes instead of five over float maps.
 
 Layer norm did the same (decode, rebuild x, ``native_layer_norm_backward``, which normalizes x
-again); :func:`layer_norm_backward_codes` reads the codes a row at a time.
+again); :func:`layer_norm_backward_codes` reads the codes a row at a time. Group norm is layer
+norm over (sample, group) rows with a weight per channel: :func:`group_norm_backward_codes`
+takes batch norm's two passes (per (sample, channel) sums, then the elementwise input gradient
+with per-(sample, channel) factors).
 
 CPU kernels ``cpp_ext/norm_cpu.cpp``; elsewhere (and without the extension) the torch formulas
 in :mod:`actnn_zoo.quant.reference`, which decode x_hat whole.
@@ -25,7 +28,8 @@ from . import reference
 from .backend import kernels
 from .tensor import QuantizedTensor
 
-__all__ = ["batch_norm_backward_codes", "layer_norm_backward_codes", "reads_codes"]
+__all__ = ["batch_norm_backward_codes", "group_norm_backward_codes", "layer_norm_backward_codes",
+           "reads_codes"]
 
 
 def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor],
@@ -35,7 +39,8 @@ def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor
     kernel (elsewhere the formula would decode x_hat whole: no better than aten's path), and a
     gradient that is not channels-last (the kernel reads (N, C, *spatial) order; a channels-last
     gradient is left to aten rather than copied and its input gradient given another layout).
-    ``kernel``: which of the two (``"layer_norm_backward_codes"`` for layer norm)."""
+    ``kernel``: which of the three (``"layer_norm_backward_codes"`` for layer norm,
+    ``"group_norm_backward_codes"`` for group norm)."""
     return (isinstance(q, QuantizedTensor) and q.transform == "none"
             and grad.device.type == "cpu" and grad.dim() >= 2
             and grad.dtype == torch.float32 and invstd.dtype == torch.float32
@@ -60,12 +65,7 @@ def batch_norm_backward_codes(grad: Tensor, q: QuantizedTensor, invstd: Tensor,
     * invstd * weight (m values per channel), what ``native_batch_norm_backward`` computes from
     x. grad_input is None when ``need_input`` is False. Equal to that formula on the decoded
     x_hat up to float rounding (the sums run in float32 lanes added in float64)."""
-    if not isinstance(q, QuantizedTensor) or q.transform != "none":
-        raise TypeError("batch_norm_backward_codes needs a QuantizedTensor without a transform")
-    if grad.dim() < 2 or tuple(grad.shape) != tuple(q.shape):
-        raise ValueError(f"gradient of shape {tuple(grad.shape)} for codes of {tuple(q.shape)}"
-                         " (need the same (N, C, *spatial) shape)")
-    n, c = grad.shape[0], grad.shape[1]
+    n, c = _check_maps("batch_norm_backward_codes", grad, q)
     for name, t in (("invstd", invstd), ("weight", weight)):
         if t is not None and (t.dim() != 1 or t.shape[0] != c):
             raise ValueError(f"{name} must have shape ({c},), got {tuple(t.shape)}")
@@ -106,8 +106,39 @@ def layer_norm_backward_codes(grad: Tensor, q: QuantizedTensor, rstd: Tensor,
     return (gi.view(grad.shape) if gi is not None else None), gw, gb
 
 
+def group_norm_backward_codes(grad: Tensor, q: QuantizedTensor, rstd: Tensor, num_groups: int,
+                              weight: Optional[Tensor] = None, need_input: bool = True
+                              ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """(grad_input, grad_weight, grad_bias) of group norm from ``grad`` (N, C, *spatial) and
+    ``q``, the codes of x_hat = (x - mean) * rstd per (sample, group), ``rstd`` (N, G). Per
+    (sample, group) row, with wg = g * weight[channel]: gi = (wg - mean(wg) - x_hat *
+    mean(wg * x_hat)) * rstd; per channel gw = sum g * x_hat, gb = sum g. What
+    ``native_group_norm_backward`` computes from x, up to float rounding."""
+    n, c = _check_maps("group_norm_backward_codes", grad, q)
+    if num_groups <= 0 or c % num_groups:
+        raise ValueError(f"{c} channels do not split into {num_groups} groups")
+    if rstd.numel() != n * num_groups:
+        raise ValueError(f"rstd has {rstd.numel()} values for {n} x {num_groups} groups")
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != c):
+        raise ValueError(f"weight must have shape ({c},), got {tuple(weight.shape)}")
+    g3 = grad.contiguous().view(n, c, -1)
+    gi, gw, gb = _run("group_norm_backward_codes", g3, q, rstd.reshape(-1), weight, need_input,
+                      num_groups)
+    return (gi.view(grad.shape) if gi is not None else None), gw, gb
+
+
+def _check_maps(name: str, grad: Tensor, q: object) -> Tuple[int, int]:
+    """(N, C) of a (N, C, *spatial) gradient whose codes ``q`` are plain and of its shape."""
+    if not isinstance(q, QuantizedTensor) or q.transform != "none":
+        raise TypeError(f"{name} needs a QuantizedTensor without a transform")
+    if grad.dim() < 2 or tuple(grad.shape) != tuple(q.shape):
+        raise ValueError(f"gradient of shape {tuple(grad.shape)} for codes of {tuple(q.shape)}"
+                         " (need the same (N, C, *spatial) shape)")
+    return grad.shape[0], grad.shape[1]
+
+
 def _run(name: str, grad: Tensor, q: QuantizedTensor, stat: Tensor, weight: Optional[Tensor],
-         need_input: bool):
+         need_input: bool, *extra: int):
     """The compiled kernel ``name`` on the CPU for float32 tensors, else its torch twin."""
     row_bits, offsets = q.row_layout()
     fn = getattr(kernels(grad.device), name, None)
@@ -115,4 +146,4 @@ def _run(name: str, grad: Tensor, q: QuantizedTensor, stat: Tensor, weight: Opti
             t.dtype == torch.float32 for t in (grad, stat, weight) if t is not None):
         fn = getattr(reference, name)
     return fn(grad, q.data, q.lo, q.step, row_bits, offsets, q.group_size, stat.contiguous(),
-              None if weight is None else weight.contiguous(), need_input)
+              None if weight is None else weight.contiguous(), need_input, *extra)

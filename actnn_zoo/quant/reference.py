@@ -303,6 +303,17 @@ def dequantize(data: Tensor, lo: Tensor, step: Tensor, bits: Tensor, offsets: Te
     return out
 
 
+def _channel_sums(grad: Tensor, data: Tensor, lo: Tensor, step: Tensor, bits: Tensor,
+                  offsets: Tensor, group_size: int) -> Tuple[Tensor, ...]:
+    """(x_hat decoded (N, C, S), grad and x_hat in float64, per channel sum g, sum g * x_hat)
+    for ``grad`` (N, C, S): what batch and group norm's backward share."""
+    n, c, s = grad.shape
+    x = dequantize(data, lo, step, bits, offsets, group_size,
+                   torch.empty(n, c * s, dtype=torch.float32, device=grad.device)).view(n, c, s)
+    g64, x64 = grad.double(), x.double()
+    return x, g64, x64, g64.sum((0, 2)), (g64 * x64).sum((0, 2))
+
+
 def batch_norm_backward_codes(grad: Tensor, data: Tensor, lo: Tensor, step: Tensor,
                               bits: Tensor, offsets: Tensor, group_size: int, invstd: Tensor,
                               weight: Optional[Tensor], need_input: bool
@@ -313,10 +324,7 @@ def batch_norm_backward_codes(grad: Tensor, data: Tensor, lo: Tensor, step: Tens
     ``native_batch_norm_backward`` written in x_hat). Sums in float64 here; the kernel's are
     float32 lanes added in float64, so the two agree to float rounding, not bit for bit."""
     n, c, s = grad.shape
-    x = dequantize(data, lo, step, bits, offsets, group_size,
-                   torch.empty(n, c * s, dtype=torch.float32, device=grad.device)).view(n, c, s)
-    g64, x64 = grad.double(), x.double()
-    gb, gw = g64.sum((0, 2)), (g64 * x64).sum((0, 2))
+    x, g64, x64, gb, gw = _channel_sums(grad, data, lo, step, bits, offsets, group_size)
     gi = None
     if need_input:
         m = float(n * s)
@@ -346,6 +354,25 @@ def layer_norm_backward_codes(grad: Tensor, data: Tensor, lo: Tensor, step: Tens
         wg = g64 if weight is None else g64 * weight.double()
         gi = ((wg - wg.mean(1, keepdim=True) - x64 * (wg * x64).mean(1, keepdim=True))
               * rstd.double()[:, None]).float()
+    return gi, gw.float(), gb.float()
+
+
+def group_norm_backward_codes(grad: Tensor, data: Tensor, lo: Tensor, step: Tensor,
+                              bits: Tensor, offsets: Tensor, group_size: int, rstd: Tensor,
+                              weight: Optional[Tensor], need_input: bool, groups: int
+                              ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """Group norm's backward from the codes of x_hat: ``grad`` (N, C, S) float32, ``rstd``
+    (N * groups,). Per (sample, group) row, with wg = g * weight[channel]: gi = (wg - mean(wg)
+    - x_hat * mean(wg * x_hat)) * rstd; per channel gw = sum g * x_hat, gb = sum g
+    (``native_group_norm_backward``'s formula written in x_hat; float64 sums)."""
+    n, c, s = grad.shape
+    _, g64, x64, gb, gw = _channel_sums(grad, data, lo, step, bits, offsets, group_size)
+    gi = None
+    if need_input:
+        wg = g64 if weight is None else g64 * weight.double()[:, None]
+        rows, xr = wg.reshape(n, groups, -1), x64.reshape(n, groups, -1)
+        gi = ((rows - rows.mean(2, keepdim=True) - xr * (rows * xr).mean(2, keepdim=True))
+              * rstd.double().view(n, groups, 1)).float().view(n, c, s)
     return gi, gw.float(), gb.float()
 
 
