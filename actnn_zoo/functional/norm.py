@@ -418,7 +418,7 @@ class GroupNormFunction(torch.autograd.Function):
             w = cast(weight, dt if dt != x_dtype else None)
             if (x_q is not None and go.numel()
                     and reads_codes(go, x_q, rstd, w, "group_norm_backward_codes")):
-                # from the codes, a (sample, group) row at a time (quant/norm_backward.py)
+                # from the codes, in batch norm's two passes (quant/norm_backward.py)
                 gi, gw, gb = group_norm_backward_codes(go, x_q, rstd, g, w, need_x)
             elif x_q is not None:
                 x_hat = restore(x_q).contiguous(memory_format=ctx.x_format)
