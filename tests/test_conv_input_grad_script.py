@@ -2,6 +2,8 @@
 it, and names a bad layer."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from actnn_zoo.functional import conv as fconv
@@ -29,8 +31,8 @@ def test_tiny_run_times_both_ways_and_restores_the_conv(capsys):
 def test_stand_in_and_adjoint_agree_on_every_shape():
     mod = _script()
     for name, shape in mod.SHAPES.items():
-        if shape[0][0] > 128:
-            continue  # the same code on a smaller batch
+        if math.prod(shape[0]) > 1 << 21:
+            continue  # the same code on a smaller map
         fns = mod.layer_fns(*shape)
         a, b = fns["stand-in"](), fns["adjoint"]()
         assert a.shape == b.shape == shape[0], name
