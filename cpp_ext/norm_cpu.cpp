@@ -19,7 +19,7 @@
 //
 // Group norm is that formula over the (sample, group) rows with w per channel: batch norm's
 // plane sums give gb and gw (summed over samples) and, weighted by w, each row's two means;
-// gi then takes batch norm's elementwise pass with per-(sample, channel) factors
+// gi then takes batch norm's elementwise pass with per-(sample, group) factors
 // (reference.group_norm_backward_codes).
 #include "kernels.h"
 #include "decode_cpu.h"
@@ -118,12 +118,14 @@ void plane_sums(const float* grad, const uint8_t* data, const uint16_t* lo, cons
   });
 }
 
-// Pass 2: gi = (g * a[i] - mg[i] - x_hat * kx[i]) * sc[i], a group at a time, with i the
-// channel (batch norm: a == nullptr, no product) or, when per_sample, (sample, channel).
+// Pass 2: gi = (g * w[c] - mg[i] - x_hat * kx[i]) * sc[i], a group at a time (no product when
+// w == nullptr). Factors i: per channel (batch norm, groups == 0) or per (sample, group of
+// c / groups channels) (group norm).
 void input_grad(const float* grad, const uint8_t* data, const uint16_t* lo, const uint16_t* step,
                 const uint8_t* bits, const int64_t* offsets, int64_t n_rows, int64_t c,
                 int64_t s, int64_t group_size, const float* mg, const float* kx,
-                const float* sc, float* gi, const float* a = nullptr, bool per_sample = false) {
+                const float* sc, float* gi, const float* w = nullptr, int64_t groups = 0) {
+  const int64_t cg = groups > 0 ? c / groups : 1;
   const int64_t d = c * s;
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / group_size);
@@ -141,14 +143,14 @@ void input_grad(const float* grad, const uint8_t* data, const uint16_t* lo, cons
       while (pos < len) {
         const int64_t ch = (start + pos) / s;
         const int64_t stop = std::min(len, (ch + 1) * s - start);
-        const int64_t i = per_sample ? n * c + ch : ch;
+        const int64_t i = groups > 0 ? n * groups + ch / cg : ch;
         const float m = mg[i], k = kx[i], f = sc[i];
         const float* x = buf.data();
-        if (a != nullptr) {
-          const float w = a[i];
+        if (w != nullptr) {
+          const float wc = w[ch];
 #pragma omp simd
           for (int64_t e = pos; e < stop; ++e) {
-            const float t = gr[e] * w - m;
+            const float t = gr[e] * wc - m;
             const float u = x[e] * k;
             out[e] = (t - u) * f;
           }
@@ -299,9 +301,9 @@ Codes codes_of(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& s
 
 // Pass 1 of batch and group norm on grad (N, C, S): the (sample, channel) sums of g and
 // g * x_hat, (N, C, 2) float64, and their channel totals in sample order (deterministic):
-// in float64 in tot (sum g, sum g * x_hat per channel), in float32 in gb and gw.
+// in float32 in gb and gw, and in float64 in tot (sum g, sum g * x_hat per channel) when given.
 at::Tensor channel_sums(const at::Tensor& grad, const Codes& k, at::Tensor& gw, at::Tensor& gb,
-                        std::vector<double>& tot) {
+                        double* tot = nullptr) {
   const int64_t n_rows = grad.size(0), c = grad.size(1), s = grad.size(2);
   at::Tensor part = at::empty({n_rows, c, 2}, grad.options().dtype(at::kDouble));
   const double* p = part.data_ptr<double>();
@@ -315,8 +317,10 @@ at::Tensor channel_sums(const at::Tensor& grad, const Codes& k, at::Tensor& gw, 
       t += p[2 * (n * c + ch)];
       tx += p[2 * (n * c + ch) + 1];
     }
-    tot[2 * ch] = t;
-    tot[2 * ch + 1] = tx;
+    if (tot != nullptr) {
+      tot[2 * ch] = t;
+      tot[2 * ch + 1] = tx;
+    }
     gb_p[ch] = static_cast<float>(t);
     gw_p[ch] = static_cast<float>(tx);
   }
@@ -341,7 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_codes_cpu(
   if (n_rows == 0 || d == 0) return {gi, gw, gb};
   const Codes k = codes_of(data, lo, step, bits, offsets, group_size);
   std::vector<double> tot(2 * c);
-  channel_sums(grad, k, gw, gb, tot);
+  channel_sums(grad, k, gw, gb, tot.data());
   if (need_input) {  // the per-channel factors of gi
     std::vector<float> mg(c), kx(c), sc(c);
     const float* inv = invstd.data_ptr<float>();
@@ -424,17 +428,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_codes_cpu(
   auto [gi, gw, gb] = norm_grads(grad, c, need_input, n_rows == 0 || d == 0);
   if (n_rows == 0 || d == 0) return {gi, gw, gb};
   const Codes k = codes_of(data, lo, step, bits, offsets, group_size);
-  std::vector<double> tot(2 * c);
-  const at::Tensor part = channel_sums(grad, k, gw, gb, tot);
+  const at::Tensor part = channel_sums(grad, k, gw, gb);
   const double* p = part.data_ptr<double>();
   if (need_input) {
     // Per (sample, group) row of m values: mean(wg) and mean(wg * x_hat) from the plane sums,
-    // each channel's weighted by its w; every channel of the row gets them and the row's rstd.
+    // each channel's weighted by its w, and the row's rstd.
     const int64_t cg = c / groups;
     const double m = static_cast<double>(cg) * static_cast<double>(s);
     const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
-    const float* r = rstd.data_ptr<float>();
-    std::vector<float> a(n_rows * c), mg(n_rows * c), kx(n_rows * c), sc(n_rows * c);
+    std::vector<float> mg(n_rows * groups), kx(n_rows * groups);
     for (int64_t n = 0; n < n_rows; ++n) {
       for (int64_t gr = 0; gr < groups; ++gr) {
         double t = 0.0, tx = 0.0;
@@ -443,18 +445,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_codes_cpu(
           t += wc * p[2 * (n * c + ch)];
           tx += wc * p[2 * (n * c + ch) + 1];
         }
-        for (int64_t ch = gr * cg; ch < (gr + 1) * cg; ++ch) {
-          const int64_t i = n * c + ch;
-          a[i] = w != nullptr ? w[ch] : 1.0f;
-          mg[i] = static_cast<float>(t / m);
-          kx[i] = static_cast<float>(tx / m);
-          sc[i] = r[n * groups + gr];
-        }
+        mg[n * groups + gr] = static_cast<float>(t / m);
+        kx[n * groups + gr] = static_cast<float>(tx / m);
       }
     }
     input_grad(grad.data_ptr<float>(), k.data, k.lo, k.step, k.bits, k.offsets, n_rows, c, s,
-               group_size, mg.data(), kx.data(), sc.data(), gi.data_ptr<float>(), a.data(),
-               true);
+               group_size, mg.data(), kx.data(), rstd.data_ptr<float>(), gi.data_ptr<float>(),
+               w, groups);
   }
   return {gi, gw, gb};
 }

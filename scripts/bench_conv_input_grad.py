@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from actnn_zoo.functional import conv as fconv  # noqa: E402
-from actnn_zoo.memory import StepSpec, build_step  # noqa: E402
+from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times  # noqa: E402
 
 # (input shape, output channels, kernel, stride, groups, transposed): the CNN's convs at batch
 # 512, one at 128, a larger map, and other kinds (depthwise, 1d, 3d, transposed) that take
@@ -83,20 +82,11 @@ def layer_fns(shape: Tuple[int, ...], cout: int, k: int, s: int, groups: int = 1
     return {"stand-in": stand_in, "adjoint": adjoint}
 
 
-def timed(fns: Dict[str, Callable[[], object]], n: int, rounds: int,
-          before: Callable[[str], None] = lambda name: None) -> Dict[str, List[float]]:
-    """ms per call, ``rounds`` round-robin chunks of ``n`` calls after one untimed call each;
-    ``before(name)`` runs ahead of each chunk."""
-    out: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            before(name)
-            fn()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            out[name].append((time.perf_counter() - t0) / n * 1e3)
-    return out
+def timed(fns: Dict[str, Callable[[], object]], n: int, rounds: int) -> Dict[str, List[float]]:
+    """ms per call of each function (``interleaved_step_times``: ``rounds`` round-robin chunks
+    of ``n`` calls)."""
+    t = interleaved_step_times(fns, n=n * rounds, warmup=1, rounds=rounds)
+    return {k: [v * 1e3 for v in vs] for k, vs in t.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"{args.threads} threads, wall clock; median and minimum of {args.rounds} rounds")
+    print(f"{args.threads} threads, wall clock; median and minimum over the timed calls "
+          f"({args.rounds} round-robin rounds)")
 
     layers = [s for s in args.layers.split(",") if s]
     for name in layers:
@@ -139,12 +130,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "adjoint": build_step(StepSpec(model, int(batch), mode="bits", bits=None)),
                  "stand-in": build_step(StepSpec(model, int(batch), mode="bits", bits=None))}
 
-        def before(name: str) -> None:
-            fconv.ConvSpec.input_grad = (  # type: ignore[method-assign]
-                real if name != "stand-in" else (lambda *a, **k: None))
+        def on_path(step: Callable[[], object], adjoint: bool) -> Callable[[], object]:
+            def call() -> object:
+                fconv.ConvSpec.input_grad = (  # type: ignore[method-assign]
+                    real if adjoint else (lambda *a, **k: None))
+                return step()
+            return call
 
         try:
-            t = timed(steps, args.steps, args.rounds, before)
+            t = timed({k: on_path(v, k != "stand-in") for k, v in steps.items()}, args.steps,
+                      args.rounds)
         finally:
             fconv.ConvSpec.input_grad = real  # type: ignore[method-assign]
         base_med, base_min = statistics.median(t["fp32"]), min(t["fp32"])

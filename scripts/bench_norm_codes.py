@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 
 import actnn_zoo.functional.norm as fnorm  # noqa: E402
 from actnn_zoo import convert_model  # noqa: E402
-from actnn_zoo.memory import StepSpec, build_step  # noqa: E402
+from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times  # noqa: E402
 
 LAYERS = {  # name -> (torch layer, input shape)
     "bn 512x32x8x8": (lambda: nn.BatchNorm2d(32), (512, 32, 8, 8)),
@@ -37,22 +37,23 @@ LAYERS = {  # name -> (torch layer, input shape)
 
 def timed(fns: Dict[str, Callable[[], object]], paths: Dict[str, bool], n: int, rounds: int,
           clock: Callable[[], float]) -> Dict[str, List[float]]:
-    """ms per call of each function, ``rounds`` round-robin chunks of ``n`` calls; ``paths``
-    says for each whether the norms read codes (False: the decoded path)."""
+    """ms per call of each function (``interleaved_step_times``: ``rounds`` round-robin chunks,
+    ``n`` calls each); ``paths`` says for each whether the norms read codes (False: the decoded
+    path)."""
     real = fnorm.reads_codes
-    out: Dict[str, List[float]] = {k: [] for k in fns}
+
+    def on_path(fn: Callable[[], object], codes: bool) -> Callable[[], object]:
+        def call() -> object:
+            fnorm.reads_codes = real if codes else (lambda *a: False)
+            return fn()
+        return call
+
     try:
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                fnorm.reads_codes = real if paths[name] else (lambda *a: False)
-                fn()
-                t0 = clock()
-                for _ in range(n):
-                    fn()
-                out[name].append((clock() - t0) / n * 1e3)
+        t = interleaved_step_times({k: on_path(fn, paths[k]) for k, fn in fns.items()},
+                                   n=n * rounds, warmup=1, rounds=rounds, clock=clock)
     finally:
         fnorm.reads_codes = real
-    return out
+    return {k: [v * 1e3 for v in vs] for k, vs in t.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print(f"{args.threads} threads, {'thread CPU time' if args.threads == 1 else 'wall clock'}; "
-          f"median and minimum of {args.rounds} rounds")
+          f"median and minimum over the timed calls ({args.rounds} round-robin rounds)")
     for case in filter(None, args.models.split(",")):
         model, batch = case.split(":")
         fp32 = build_step(StepSpec(model, int(batch)))
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name not in LAYERS:
             p.error(f"unknown layer {name!r}; choose from {', '.join(LAYERS)}")
     if names:
-        print("\nforward + backward of one layer, ms (min over rounds): torch | codes | decoded")
+        print("\nforward + backward of one layer, ms (min over calls): torch | codes | decoded")
     for name in names:
         build, shape = LAYERS[name]
         layer = build()

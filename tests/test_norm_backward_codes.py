@@ -171,24 +171,33 @@ def _layer_grads(model, x, g, kernel: str, reads: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("layer", ["batch", "group", "group, no affine"])
 @pytest.mark.parametrize("config", [{"bits": 2, "strategy": "uniform"}, None])
-def test_qbatchnorm_reads_the_codes(memory_format, config, monkeypatch):
+def test_qbatchnorm_and_qgroupnorm_read_the_codes(memory_format, layer, config, monkeypatch):
+    """Batch and group norm take the codes path for (N, C, *spatial)-contiguous gradients (a
+    channels-last one is not: aten's path) with the decoded path's gradients, twice over a
+    retained graph."""
     compiled_extension()
     torch.manual_seed(0)
-    bn = nn.BatchNorm2d(6)
-    with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5)
-        bn.bias.uniform_(-1, 1)
-    model = convert_model(nn.Sequential(bn), config)
-    x = (torch.randn(8, 6, 5, 7) * 2 + 1).contiguous(memory_format=memory_format)
+    affine = layer != "group, no affine"
+    norm = nn.BatchNorm2d(6) if layer == "batch" else nn.GroupNorm(3, 12, affine=affine)
+    if affine:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-1, 1)
+    model = convert_model(nn.Sequential(norm), config)
+    shape = (8, 6, 5, 7) if layer == "batch" else (6, 12, 5, 7)
+    x = (torch.randn(shape) * 2 + 1).contiguous(memory_format=memory_format)
     g = torch.randn(x.shape).contiguous(memory_format=memory_format)
-    codes, n_codes = _layer_grads(model, x, g, "batch_norm_backward_codes", True, monkeypatch)
-    decoded, n_decoded = _layer_grads(model, x, g, "batch_norm_backward_codes", False,
-                                      monkeypatch)
+    kernel = f"{layer.split(',')[0]}_norm_backward_codes"
+    codes, n_codes = _layer_grads(model, x, g, kernel, True, monkeypatch)
+    decoded, n_decoded = _layer_grads(model, x, g, kernel, False, monkeypatch)
     assert n_decoded == 0
     # a channels-last gradient is not contiguous in (N, C, H, W) order: aten's path
     assert n_codes == (2 if memory_format == torch.contiguous_format else 0)
+    assert len(codes) == (3 if affine else 1)
     for a, b in zip(codes, decoded):
+        assert a.shape == b.shape
         _close(a, b, "gradient")
 
 
@@ -421,28 +430,3 @@ def test_group_norm_bad_input_is_named():
     with pytest.raises((RuntimeError, ValueError), match="weight must be"):
         ext.group_norm_backward_codes(g3, q.data, q.lo, q.step, rb, off, 32, rstd.reshape(-1),
                                       torch.ones(4), True, 3)
-
-
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-@pytest.mark.parametrize("affine", [True, False])
-@pytest.mark.parametrize("config", [{"bits": 2, "strategy": "uniform"}, None])
-def test_qgroupnorm_reads_the_codes(memory_format, affine, config, monkeypatch):
-    compiled_extension()
-    torch.manual_seed(0)
-    gn = nn.GroupNorm(3, 12, affine=affine)
-    if affine:
-        with torch.no_grad():
-            gn.weight.uniform_(0.5, 1.5)
-            gn.bias.uniform_(-1, 1)
-    model = convert_model(nn.Sequential(gn), config)
-    x = (torch.randn(6, 12, 5, 7) * 2 + 1).contiguous(memory_format=memory_format)
-    g = torch.randn(x.shape).contiguous(memory_format=memory_format)
-    codes, n_codes = _layer_grads(model, x, g, "group_norm_backward_codes", True, monkeypatch)
-    decoded, n_decoded = _layer_grads(model, x, g, "group_norm_backward_codes", False,
-                                      monkeypatch)
-    assert n_decoded == 0
-    assert n_codes == (2 if memory_format == torch.contiguous_format else 0)
-    assert len(codes) == (3 if affine else 1)
-    for a, b in zip(codes, decoded):
-        assert a.shape == b.shape
-        _close(a, b, "gradient")

@@ -12,7 +12,7 @@ Layer norm did the same (decode, rebuild x, ``native_layer_norm_backward``, whic
 again); :func:`layer_norm_backward_codes` reads the codes a row at a time. Group norm is layer
 norm over (sample, group) rows with a weight per channel: :func:`group_norm_backward_codes`
 takes batch norm's two passes (per (sample, channel) sums, then the elementwise input gradient
-with per-(sample, channel) factors).
+with per-(sample, group) factors).
 
 CPU kernels ``cpp_ext/norm_cpu.cpp``; elsewhere (and without the extension) the torch formulas
 in :mod:`actnn_zoo.quant.reference`, which decode x_hat whole.
