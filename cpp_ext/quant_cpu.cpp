@@ -41,7 +41,7 @@ AZ_INLINE void load_block(const c10::BFloat16* src, int n, float* __restrict buf
 #pragma omp simd
   for (int e = 0; e < n; ++e) buf[e] = bf16_value(s[e]);
 }
-AZ_INLINE void load_block(const c10::Half* src, int n, float* buf) {
+AZ_INLINE void load_block(const c10::Half* src, int n, float* __restrict buf) {
   int e = 0;
 #if defined(__AVX512F__)
   for (; e + 16 <= n; e += 16) {
@@ -54,7 +54,9 @@ AZ_INLINE void load_block(const c10::Half* src, int n, float* buf) {
     _mm256_storeu_ps(buf + e, _mm256_cvtph_ps(h));
   }
 #endif
-  for (; e < n; ++e) buf[e] = static_cast<float>(src[e]);  // exact either way
+  const uint16_t* __restrict s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int i = e; i < n; ++i) buf[i] = half_value(s[i]);  // exact either way
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -569,9 +571,14 @@ inline uint32_t unit_bits(const uint8_t* p, int64_t u) {
 // in loops of their own and the choice is made on bit patterns: a select between two float
 // products in one loop is not if-converted by gcc under -ftrapping-math (it would speculate a
 // multiplication), and that loop then runs scalar, ~5x slower.
+//
+// The lanes are read and written in place through may_alias integer views: staging them in
+// local arrays with memcpy (the strict-aliasing-safe spelling) made gcc store 16-byte halves and
+// load them back as 32-byte vectors, a failed store forward per vector, and the kernel ran at a
+// quarter of threshold_backward's speed (scripts/bench_kernels.py, "masked_grad").
 template <typename T> struct SameBits;
-template <> struct SameBits<float> { using type = uint32_t; };
-template <> struct SameBits<double> { using type = uint64_t; };
+template <> struct SameBits<float> { typedef uint32_t __attribute__((may_alias)) type; };
+template <> struct SameBits<double> { typedef uint64_t __attribute__((may_alias)) type; };
 
 template <typename T, bool kOnPass, bool kOffZero>
 AZ_INLINE void masked_unit_wide(const T* __restrict g, uint32_t w, int n, T on, T off,
@@ -587,11 +594,10 @@ AZ_INLINE void masked_unit_wide(const T* __restrict g, uint32_t w, int n, T on, 
 #pragma omp simd
     for (int k = 0; k < n; ++k) bv[k] = g[k] * off;
   }
-  U ab[kMaskUnit], bb[kMaskUnit], gb[kMaskUnit];
-  std::memcpy(gb, g, n * sizeof(T));
-  if (!kOnPass) std::memcpy(ab, av, n * sizeof(T));
-  if (!kOffZero) std::memcpy(bb, bv, n * sizeof(T));
-  U ob[kMaskUnit];
+  const U* __restrict gb = reinterpret_cast<const U*>(g);
+  const U* __restrict ab = reinterpret_cast<const U*>(av);
+  const U* __restrict bb = reinterpret_cast<const U*>(bv);
+  U* __restrict ob = reinterpret_cast<U*>(out);
 #pragma omp simd
   for (int k = 0; k < n; ++k) {
     const U m = U{0} - static_cast<U>((w >> k) & 1u);  // all ones where the bit is set
@@ -599,7 +605,6 @@ AZ_INLINE void masked_unit_wide(const T* __restrict g, uint32_t w, int n, T on, 
     const U b = kOffZero ? U{0} : bb[k];
     ob[k] = (a & m) | (b & ~m);
   }
-  std::memcpy(out, ob, n * sizeof(T));
 }
 
 // float16 / bfloat16: products in float32, rounded back; pass-through and zero on bit patterns.

@@ -31,7 +31,11 @@ constexpr int kBlock = 256;  // values compacted and coded at a time
 
 template <typename T>
 AZ_INLINE float as_float(T v) {
-  return static_cast<float>(v);  // exact for float16 / bfloat16
+  return static_cast<float>(v);  // exact for bfloat16
+}
+template <>
+AZ_INLINE float as_float(c10::Half v) {
+  return half_value(v.x);  // exact; vectorises (bf16_cpu.h)
 }
 
 template <typename T>
@@ -271,14 +275,24 @@ void unpack_row(const uint8_t* in, int64_t count, uint8_t* codes) {
 
 
 // Up to 64 mask bits from bit i (the mask has `nbytes` bytes; bits past its end read as 0).
+// Inside the mask (every word but the last few) two fixed-size loads from the mask itself: the
+// zero-padded copy the tail needs is a variable-length memcpy into a stack buffer read back at
+// once, a library call and a failed store forward per 64 values when it was taken every time.
 AZ_INLINE uint64_t mask_word(const uint8_t* mask, int64_t nbytes, int64_t i) {
   const int64_t b0 = i >> 3;
   const int shift = static_cast<int>(i & 7);
-  uint8_t tmp[16] = {0};
-  std::memcpy(tmp, mask + b0, static_cast<size_t>(std::min<int64_t>(9, nbytes - b0)));
   uint64_t lo;
-  std::memcpy(&lo, tmp, 8);
-  return shift ? (lo >> shift) | (static_cast<uint64_t>(tmp[8]) << (64 - shift)) : lo;
+  uint64_t hi;
+  if (b0 + 9 <= nbytes) {
+    std::memcpy(&lo, mask + b0, 8);
+    hi = mask[b0 + 8];
+  } else {
+    uint8_t tmp[16] = {0};
+    std::memcpy(tmp, mask + b0, static_cast<size_t>(nbytes - b0));
+    std::memcpy(&lo, tmp, 8);
+    hi = tmp[8];
+  }
+  return shift ? (lo >> shift) | (hi << (64 - shift)) : lo;
 }
 
 template <typename TO>

@@ -125,6 +125,28 @@ def test_parity_row_lengths(d, group_size):
         check_parity(x, bits, group_size, seed=d * 7 + bits)
 
 
+@pytest.mark.parametrize("group_size", [8, 256])
+def test_parity_every_float16_value(group_size):
+    """Every finite float16 bit pattern (subnormals and both zeros included) read by the
+    kernels' own branch-free conversion (bf16_cpu.h ``half_value``) quantizes and decodes as
+    the reference, which converts with torch; 8-value groups make each code depend on a few
+    exact inputs."""
+    bits16 = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
+    x = bits16.view(torch.float16)
+    x = x[torch.isfinite(x)]
+    perm = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(group_size))
+    x = x[perm][: (x.numel() // 512) * 512].view(-1, 512)
+    for bits in (2, 8):
+        check_parity(x, bits, group_size, seed=77 + bits, out_dtypes=(torch.float32,))
+    got = _C.quantize_sparse(x, torch.full((x.shape[0],), 4, dtype=torch.uint8), group_size,
+                             5, True)
+    want = R.quantize_sparse(x, torch.full((x.shape[0],), 4, dtype=torch.uint8), group_size,
+                             5, True)
+    for a, b, name in zip(got, want, ("data", "lo", "step", "mask", "offsets")):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), name
+
+
 def test_parity_with_unused_capacity_after_the_rows():
     """total larger than the rows need (SampleBits' bound): rows as usual, zeros after."""
     g = torch.Generator().manual_seed(11)
