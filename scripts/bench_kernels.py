@@ -2,6 +2,7 @@
 """Quantize / dequantize throughput against x.clone() of the same tensor, in the same run.
 
     python scripts/bench_kernels.py [--size-mib 64] [--repeats 15] [--threads N]
+    python scripts/bench_kernels.py --size-mib 4 --calls 3     # warm, a CNN map's size
 
 Times the public API (actnn_zoo.quantize / dequantize, which allocate their outputs) and, when
 the compiled extension is loaded, the raw actnn_zoo._C calls: quantize with the layout
@@ -16,6 +17,10 @@ az.dequantize (both allocate their output); THP_MEM_ALLOC_ENABLE=1 (a torch sett
 torch allocate large tensors on transparent huge pages, which removes most of that cost. The
 extension asks for huge pages on its own large outputs (madvise, see quant_cpu.cpp), so its
 dequantize pays that cost once per 2 MiB instead of per 4 KiB, whatever that setting says.
+
+``--calls 1`` (the default) times a kernel's first call on fresh memory, page faults and cold
+caches included, which dominate at 64 MiB; ``--calls 3`` times the third of three calls in a
+row, the regime of a layer's small map, where the kernel's own loop is what shows.
 
 Mask backward (ReLU / Dropout of the same tensor): torch's own backward of fp32 ReLU
 (aten.threshold_backward, which reads the saved output) and Dropout (grad * float mask), the
@@ -32,15 +37,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import actnn_zoo as az
-from actnn_zoo.quant import reference as R
-from actnn_zoo.quant.api import _masked_grad_torch, masked_grad, pack_compare, pack_mask
-from actnn_zoo.quant.backend import extension
-from actnn_zoo.quant.sparse import dequantize_sparse, quantize_sparse
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+import actnn_zoo as az  # noqa: E402
+from actnn_zoo.quant import reference as R  # noqa: E402
+from actnn_zoo.quant.api import _masked_grad_torch, masked_grad, pack_compare, pack_mask  # noqa: E402
+from actnn_zoo.quant.backend import extension  # noqa: E402
+from actnn_zoo.quant.sparse import dequantize_sparse, quantize_sparse  # noqa: E402
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -53,7 +61,12 @@ def _read(path: str) -> str:
         return "?"
 
 
-def timed(fn):
+def timed(fn, calls: int = 1):
+    """(seconds of the last of ``calls`` back-to-back calls, its result). One call: a first
+    touch of fresh memory and cold caches; more: the warm regime, where the allocator hands
+    back the memory the previous call freed and a small tensor stays in cache."""
+    for _ in range(calls - 1):
+        fn()  # its result is dropped at once
     t0 = time.perf_counter()
     res = fn()
     return time.perf_counter() - t0, res
@@ -61,19 +74,29 @@ def timed(fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mib", type=float, default=64.0, help="float32 tensor size (MiB)")
+    ap.add_argument("--size-mib", type=float, default=64.0, help="tensor size (MiB) as float32")
+    ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                    help="the input's dtype (the same number of values at any dtype)")
     ap.add_argument("--rows", type=int, default=256, help="dim 0 (samples); default 256")
     ap.add_argument("--repeats", type=int, default=15, help="timed rounds (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--group-size", type=int, default=256)
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic")
+    ap.add_argument("--calls", type=int, default=1,
+                    help="calls per kernel and round, the last one timed (default 1: fresh "
+                         "memory; 3: warm, e.g. with --size-mib 4, a CNN map at batch 512)")
     args = ap.parse_args()
+    if args.calls < 1:
+        ap.error("--calls must be at least 1")
+
+    def run(fn):
+        return timed(fn, args.calls)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cols = max(1, int(args.size_mib * 2 ** 20 / 4 / args.rows))
-    x = torch.randn(args.rows, cols)
+    x = torch.randn(args.rows, cols).to(getattr(torch, args.dtype))
     nbytes = x.numel() * x.element_size()
     ext = extension()
     print(f"actnn_zoo backend: {az.backend_name()}   torch {torch.__version__}   "
@@ -81,9 +104,9 @@ def main() -> None:
     thp = _read("/sys/kernel/mm/transparent_hugepage/enabled")
     print(f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '(unset)')}   "
           f"transparent_hugepage: {thp}   load average: {_read('/proc/loadavg')}")
-    print(f"tensor: float32 {tuple(x.shape)} = {nbytes / 2 ** 20:.1f} MiB, group_size "
+    print(f"tensor: {args.dtype} {tuple(x.shape)} = {nbytes / 2 ** 20:.1f} MiB, group_size "
           f"{args.group_size}, {args.rounding} rounding, median of {args.repeats} rounds after "
-          f"{args.warmup} warm-up")
+          f"{args.warmup} warm-up; per round each kernel called {args.calls}x, the last timed")
 
     stochastic = args.rounding == "stochastic"
     layouts = {}
@@ -97,7 +120,7 @@ def main() -> None:
     relu_bits = pack_mask(~(x <= 0))
     kept = torch.rand(x.shape) > 0.5
     drop_bits = pack_mask(kept)
-    drop_noise = kept.float().div_(0.5)
+    drop_noise = kept.to(x.dtype).div_(0.5)
     del kept
     grad = torch.randn_like(x)
     aten = torch.ops.aten
@@ -109,24 +132,24 @@ def main() -> None:
 
     for rnd in range(args.warmup + args.repeats):
         keep = rnd >= args.warmup
-        t, y = timed(lambda: x.clone())
+        t, y = run(lambda: x.clone())
         del y
         if keep:
             record("clone", t)
-            record("copy_", timed(lambda: prealloc.copy_(x))[0])
+            record("copy_", run(lambda: prealloc.copy_(x))[0])
         for b in WIDTHS:
-            t_q, q = timed(lambda: az.quantize(x, b, args.group_size, seed=rnd,
+            t_q, q = run(lambda: az.quantize(x, b, args.group_size, seed=rnd,
                                                rounding=args.rounding))
-            t_dq, y = timed(lambda: az.dequantize(q))
+            t_dq, y = run(lambda: az.dequantize(q))
             del y
             if keep:
                 record(("q", b), t_q)
                 record(("dq", b), t_dq)
             if ext is not None:
                 bits, offsets, total = layouts[b]
-                t_rq, _ = timed(lambda: ext.quantize(x, bits, offsets, total, args.group_size,
+                t_rq, _ = run(lambda: ext.quantize(x, bits, offsets, total, args.group_size,
                                                      rnd, stochastic))
-                t_rdq, _ = timed(lambda: ext.dequantize(q.data, q.lo, q.step, bits, offsets,
+                t_rdq, _ = run(lambda: ext.dequantize(q.data, q.lo, q.step, bits, offsets,
                                                         args.group_size, prealloc))
                 if keep:
                     record(("rq", b), t_rq)
@@ -146,7 +169,7 @@ def main() -> None:
             "pack_compare": lambda: pack_compare(x, "not_le"),
         })
         for name, fn in mask_fns.items():
-            t, y = timed(fn)
+            t, y = run(fn)
             del y
             if keep:
                 record(("mask", name), t)
@@ -158,8 +181,8 @@ def main() -> None:
                                                    zero_exact=True), az.dequantize),
                 ("sparse", lambda: quantize_sparse(relu_out, 2, args.group_size, seed=rnd),
                  dequantize_sparse)):
-            t_q, q = timed(qfn)
-            t_dq, y = timed(lambda: dqfn(q))
+            t_q, q = run(qfn)
+            t_dq, y = run(lambda: dqfn(q))
             del y
             if keep:
                 record(("relu q", name), t_q)
@@ -191,7 +214,8 @@ def main() -> None:
     else:
         print("\n(no compiled extension loaded: the numbers above are the pure-torch reference)")
     tb = med[("mask", "threshold_backward")]
-    print(f"\nmask backward of the same tensor (fresh outputs), ratio = time / "
+    regime = "fresh outputs" if args.calls == 1 else f"warm: call {args.calls} of {args.calls}"
+    print(f"\nmask backward of the same tensor ({regime}), ratio = time / "
           f"threshold_backward time ({tb * 1e3:.2f} ms):")
     for name in ("threshold_backward", "relu unfused", "relu fused", "dropout torch",
                  "dropout unfused", "dropout fused"):
