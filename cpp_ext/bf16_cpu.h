@@ -3,6 +3,7 @@
 // (reference.round_down_bf16 / round_up_bf16 / _bf16_step).
 #pragma once
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 namespace actnn_zoo {
@@ -36,6 +37,22 @@ inline float half_value(uint16_t h) {
   const float subnormal = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
   const uint32_t pick = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // a mask, not a branch
   return bits_float(sign | (float_bits(subnormal) & pick) | (float_bits(normal) & ~pick));
+}
+
+// float32 -> float16 bits, round to nearest even, branch-free (integer selects) so that it
+// vectorises: c10's fp16_ieee_from_fp32_value, what c10::Half(float) runs without F16C (NaN ->
+// 0x7E00, overflow -> inf). The portable build's float16 outputs went through that scalar call.
+inline uint16_t half_from_float(float f) {
+  const float base0 = (std::fabs(f) * 0x1p+112f) * 0x1p-110f;
+  const uint32_t w = float_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  const uint32_t bits = float_bits(bits_float((bias >> 1) + 0x07800000u) + base0);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  const uint32_t nan = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);  // a mask, not a branch
+  return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
 }
 
 // Directed rounding to bf16 by truncating the low 16 bits: truncation goes toward zero, which

@@ -57,7 +57,9 @@ AZ_INLINE void store_block(const float* v, int n, c10::Half* dst) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), h);
   }
 #endif
-  for (; e < n; ++e) dst[e] = c10::Half(v[e]);  // same rounding as the vector instruction
+  uint16_t* __restrict d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int i = e; i < n; ++i) d[i] = half_from_float(v[i]);  // same rounding as the instruction
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -150,6 +152,10 @@ AZ_INLINE void codes16(const uint8_t* in, int64_t e, int n, float* __restrict q)
   }
 }
 
+// Code 0 selects +0.0 on bits (a select between two float results is not if-converted under
+// -ftrapping-math, and the loop then ran scalar and branchy: 24x plain dequantize's time), and
+// whole units of float32 go straight to the output (store_block of a runtime length is a
+// library memcpy per 16 values).
 template <int B, typename TO>
 void dequantize_group_zero(const uint8_t* in, int64_t len, float lo, float step, TO* out) {
   alignas(64) float q[16];
@@ -157,12 +163,17 @@ void dequantize_group_zero(const uint8_t* in, int64_t len, float lo, float step,
   for (int64_t e = 0; e < len; e += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - e));
     codes16<B>(in, e, n, q);
+    float* __restrict dst = v;
+    if constexpr (std::is_same<TO, float>::value) {
+      if (n == 16) dst = out + e;
+    }
 #pragma omp simd
     for (int k = 0; k < 16; ++k) {
       const float s = (q[k] - 1.0f) * step;
-      v[k] = q[k] == 0.0f ? 0.0f : s + lo;
+      const uint32_t keep = 0u - static_cast<uint32_t>(q[k] != 0.0f);
+      dst[k] = bits_float(float_bits(s + lo) & keep);
     }
-    store_block(v, n, out + e);
+    if (dst == v) store_block(v, n, out + e);
   }
 }
 

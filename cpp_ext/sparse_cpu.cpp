@@ -40,7 +40,11 @@ AZ_INLINE float as_float(c10::Half v) {
 
 template <typename T>
 AZ_INLINE T from_float(float v) {
-  return static_cast<T>(v);  // c10::Half / c10::BFloat16 round to nearest even, like .to()
+  return static_cast<T>(v);  // c10::BFloat16 rounds to nearest even, like .to()
+}
+template <>
+AZ_INLINE c10::Half from_float(float v) {
+  return c10::Half(half_from_float(v), c10::Half::from_bits());  // the same rounding, vectorised
 }
 
 // Rows per parallel task: about 32K values.
