@@ -574,8 +574,8 @@ inline uint32_t unit_bits(const uint8_t* p, int64_t u) {
 //
 // The lanes are read and written in place through may_alias integer views: staging them in
 // local arrays with memcpy (the strict-aliasing-safe spelling) made gcc store 16-byte halves and
-// load them back as 32-byte vectors, a failed store forward per vector, and the kernel ran at a
-// quarter of threshold_backward's speed (scripts/bench_kernels.py, "masked_grad").
+// load them back as 32-byte vectors, a failed store forward per vector, and the kernel ran at
+// about a quarter of threshold_backward's speed (scripts/bench_kernels.py --calls 3).
 template <typename T> struct SameBits;
 template <> struct SameBits<float> { typedef uint32_t __attribute__((may_alias)) type; };
 template <> struct SameBits<double> { typedef uint64_t __attribute__((may_alias)) type; };
