@@ -212,6 +212,10 @@ def _dist_worker(rank: int, world: int, init: str, out_dir: str) -> None:
                 m.p = 0.0
         out = {"ddp": _ddp_part(rank, base), "fsdp": _fsdp_part(rank, base)}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Both ranks done before either tears its connections down: a rank that destroyed
+        # the group while its peer was still finishing aborted once in CI ("terminate called
+        # without an active exception" in gloo).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
