@@ -308,16 +308,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------------- max-batch ----
 def cmd_max_batch(args: argparse.Namespace) -> int:
-    from .memory import StepSpec, find_max_batch
+    from .memory import MODES, StepSpec, find_max_batch
 
     cap = int(args.cap_mib * MiB) if args.cap_mib else None
     kw = _model_kwargs(args.model_kwargs)
     results = []
     t0 = time.perf_counter()
-    for mode in _names(args.modes):
-        spec = StepSpec(args.model, args.start, mode=mode, bits=args.bits, config=args.config,
-                        strategy=args.strategy or None, model_kwargs=kw, device=args.device,
-                        steps=args.steps)
+    modes = _names(args.modes)
+    unknown = [m for m in modes if m not in MODES + ("floor",)]
+    if unknown:
+        raise SystemExit(f"max-batch: unknown mode(s) {unknown}; choose from "
+                         f"{', '.join(MODES + ('floor',))}")
+    for mode in modes:
+        # floor: the plain forward under no_grad, the bound of every method (StepSpec.phase)
+        phase = "no_grad" if mode == "floor" else "step"
+        spec = StepSpec(args.model, args.start, mode="fp32" if mode == "floor" else mode,
+                        bits=args.bits, config=args.config, strategy=args.strategy or None,
+                        model_kwargs=kw, device=args.device, steps=args.steps, phase=phase)
 
         def log(b: int, rep, ok: bool, label: str = spec.label) -> None:
             what = f"{rep.delta_mib:.1f} MiB" if rep.ok else f"error {rep.error}"
@@ -413,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-mib", type=float, default=256.0,
                    help="cap on a step's peak over the warmed-up state (MiB); on cuda 0 "
                         "means: until a real out-of-memory error")
-    p.add_argument("--modes", default="fp32,bits,checkpoint")
+    p.add_argument("--modes", default="fp32,bits,checkpoint",
+                   help="comma list of fp32, bits, checkpoint and floor (not a training "
+                        "step: the plain forward under no_grad, which bounds every method)")
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--strategy", default="uniform", choices=("",) + STRATEGIES,
                    help="precision strategy for the bits mode ('' = the config's default)")

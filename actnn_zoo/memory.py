@@ -44,13 +44,14 @@ __all__ = [
     "SavedReport", "saved_activation_bytes", "compression_ratio", "PeakReport", "peak_memory",
     "measure_step_memory", "StepSpec", "apply_mode", "build_step", "spec_peak_memory",
     "interleaved_step_times",
-    "MaxBatchResult", "find_max_batch", "MODES", "current_rss", "peak_rss", "reset_peak_rss",
+    "MaxBatchResult", "find_max_batch", "MODES", "PHASES", "current_rss", "peak_rss", "reset_peak_rss",
 ]
 
 MiB = 2 ** 20
 OUTSIDE = "(outside modules)"
 ROOT = "(model)"
 MODES = ("fp32", "bits", "checkpoint")
+PHASES = ("step", "forward", "no_grad")
 
 
 # ------------------------------------------------------------------ saved activations ----
@@ -469,6 +470,13 @@ class StepSpec:
     ``mode``: "fp32" (plain), "bits" (``convert_model(model, config, bits=..., strategy=...)``;
     ``bits=None`` keeps the config's default) or "checkpoint" (per-stage
     ``torch.utils.checkpoint``).
+
+    ``phase``: what one "step" runs. "step": forward, loss, backward and the optimizer update.
+    "forward": forward and loss as in training (autograd records, the store fills), then the
+    graph is dropped: the peak of the forward alone. "no_grad": forward and loss under
+    ``torch.no_grad()``, nothing saved: what the forward's own ops hold at once, a floor under
+    the step peak of any method that runs the model's forward as written, however it keeps
+    what backward needs (docs/design.md, "The floor of the step's peak").
     """
 
     model: str
@@ -483,10 +491,13 @@ class StepSpec:
     seed: int = 0
     device: str = "cpu"
     lr: float = 0.01
+    phase: str = "step"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:  # before any child process is started with it
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
 
     def with_batch(self, batch_size: int) -> "StepSpec":
         return dataclasses.replace(self, batch_size=batch_size)
@@ -495,8 +506,12 @@ class StepSpec:
     def label(self) -> str:
         if self.mode == "bits":
             width = f"{self.bits}-bit" if self.bits else "converted"
-            return width if self.strategy in (None, "uniform") else f"{width} {self.strategy}"
-        return self.mode
+            label = width if self.strategy in (None, "uniform") else f"{width} {self.strategy}"
+        else:
+            label = self.mode
+        if self.phase == "no_grad":
+            return "floor" if self.mode == "fp32" else f"{label} no-grad forward"
+        return f"{label} forward" if self.phase == "forward" else label
 
 
 def apply_mode(model: nn.Module, mode: str, bits: Optional[int] = 2, config: Any = None,
@@ -521,7 +536,8 @@ def apply_mode(model: nn.Module, mode: str, bits: Optional[int] = 2, config: Any
 
 
 def build_step(spec: StepSpec) -> Callable[[], Tensor]:
-    """Model, synthetic batch and SGD optimizer for ``spec``; returns a zero-arg training step.
+    """Model, synthetic batch and SGD optimizer for ``spec``; returns a zero-arg training step
+    (or the part of one that ``spec.phase`` names).
 
     Top-level and driven by a picklable spec, so it is the factory :func:`peak_memory` runs in
     a child process and :func:`find_max_batch` reuses.
@@ -544,7 +560,14 @@ def build_step(spec: StepSpec) -> Callable[[], Tensor]:
         opt.step()
         return loss.detach()
 
-    return step
+    def forward() -> Tensor:
+        return loss_fn(model(x), y).detach()  # the graph and its saved tensors go with loss
+
+    def forward_no_grad() -> Tensor:
+        with torch.no_grad():
+            return loss_fn(model(x), y)
+
+    return {"step": step, "forward": forward, "no_grad": forward_no_grad}[spec.phase]
 
 
 def spec_peak_memory(spec: StepSpec, timeout: Optional[float] = 1800.0,

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """The training step's peak memory and time: fp32, checkpointing, the 2-bit default (and
 uniform 2 bits) with the backward decoding saved inputs whole (the default) and in four chunks
-of samples (``backward_chunks: 4``), ratios from one run. The batch-1 cases measure the fixed
+of samples (``backward_chunks: 4``), ratios from one run. Two modes are parts of a step:
+``2-bit forward only`` (the default's forward and loss, graph dropped) and ``floor (no-grad
+forward)`` (the plain forward and loss under ``torch.no_grad()``): no method that runs the
+model's forward as written can peak below the floor, so fp32's peak over it bounds what any
+activation compression can gain on that model (``StepSpec.phase``). The batch-1 cases measure the fixed
 cost per step (Python and dispatch of every Q-layer call).
 
 Peaks: each mode in a fresh child process (``actnn_zoo.memory.spec_peak_memory``: VmHWM over
@@ -57,6 +61,12 @@ def modes(model: str, batch: int, kwargs: Dict[str, Any]) -> Dict[str, StepSpec]
                                                 config={"update_interval": 1}),
         "2-bit interval 100": dataclasses.replace(base, mode="bits", bits=None,
                                                   config={"update_interval": 100}),
+        # not training steps: the 2-bit default's forward alone (its peak with the store
+        # filling), and the floor (plain forward under no_grad: no method that runs this
+        # forward as written can peak lower)
+        "2-bit forward only": dataclasses.replace(base, mode="bits", bits=None,
+                                                  phase="forward"),
+        "floor (no-grad forward)": dataclasses.replace(base, phase="no_grad"),
     }
 
 

@@ -171,6 +171,61 @@ def test_step_spec_names_a_bad_mode_before_any_child_runs():
         StepSpec("resnet", 8, mode="2-bit")
 
 
+def test_step_spec_names_a_bad_phase():
+    with pytest.raises(ValueError, match="phase must be one of"):
+        StepSpec("resnet", 8, phase="backward")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bits"])
+@pytest.mark.parametrize("phase", ["forward", "no_grad"])
+def test_step_phases_run_part_of_a_step(monkeypatch, mode, phase):
+    """"forward" records a graph and drops it, "no_grad" records none; neither runs backward
+    or updates the weights, and both return the loss the full step computes first."""
+    import actnn_zoo.memory as memory
+    from actnn_zoo import models
+
+    built = []
+    real_build = models.build_model
+
+    def spy(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(models, "build_model", spy)
+    kw = {"width": 8, "dropout": 0.0}  # no random stream: the Q-layers draw seeds from it
+    part = memory.build_step(StepSpec("resnet", 8, mode=mode, model_kwargs=kw, phase=phase))
+    model = built[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = [part() for _ in range(2)]
+    first_step_loss = memory.build_step(StepSpec("resnet", 8, mode=mode, model_kwargs=kw))()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(not loss.requires_grad for loss in losses)
+    torch.testing.assert_close(losses[0], first_step_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[1], first_step_loss, rtol=1e-5, atol=1e-5)
+
+
+def test_step_spec_labels_name_the_phase():
+    assert StepSpec("resnet", 8, phase="no_grad").label == "floor"
+    assert StepSpec("resnet", 8, mode="bits", phase="forward").label == "2-bit forward"
+    assert StepSpec("resnet", 8, mode="bits", bits=None, phase="no_grad").label == \
+        "converted no-grad forward"
+    assert StepSpec("resnet", 8, mode="bits").label == "2-bit"
+
+
+def test_floor_peak_is_below_the_forward_and_the_step():
+    """The no-grad forward keeps nothing for backward: at a batch where activations dominate,
+    its peak is well below the forward that saves them, which is below the full step."""
+    kw = {"width": 16}
+    floor, forward, step = (spec_peak_memory(StepSpec("resnet", 512, model_kwargs=kw, steps=1,
+                                                      phase=phase))
+                            for phase in ("no_grad", "forward", "step"))
+    assert floor.ok and forward.ok and step.ok, (floor.error, forward.error, step.error)
+    # fp32 at 512, width 16: ~17 MiB saved; the floor holds a few 2 MiB maps
+    assert floor.delta_bytes < forward.delta_bytes / 2
+    assert forward.delta_bytes <= step.delta_bytes * 1.05
+
+
 def test_peak_memory_child_grows_with_batch():
     small = spec_peak_memory(StepSpec("resnet", 32, model_kwargs={"width": 16}, steps=1))
     large = spec_peak_memory(StepSpec("resnet", 1024, model_kwargs={"width": 16}, steps=1))
@@ -215,3 +270,23 @@ def test_interleaved_step_times_use_the_given_clock_round_robin():
     times = interleaved_step_times(steps, n=4, warmup=1, rounds=2, clock=clock)
     assert times == {"a": [1.0] * 4, "b": [1.0] * 4}
     assert order == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["a"] * 2 + ["b"] * 2
+
+
+def test_max_batch_cli_floor_mode_and_unknown_modes(monkeypatch, capsys):
+    """``--modes floor`` searches the plain no-grad forward (StepSpec phase); an unknown mode is
+    named before any search starts."""
+    import actnn_zoo.memory as memory
+    from actnn_zoo.__main__ import main
+
+    seen = []
+
+    def fake_search(spec, cap, **kwargs):
+        seen.append(spec)
+        return memory.MaxBatchResult(64 if spec.phase == "no_grad" else 16, cap)
+
+    monkeypatch.setattr(memory, "find_max_batch", fake_search)
+    assert main(["max-batch", "--modes", "fp32,floor", "--cap-mib", "1"]) == 0
+    assert [(s.mode, s.phase) for s in seen] == [("fp32", "step"), ("fp32", "no_grad")]
+    assert "4.0x" in capsys.readouterr().out  # floor 64 against fp32 16
+    with pytest.raises(SystemExit, match=r"unknown mode\(s\) \['bogus'\]"):
+        main(["max-batch", "--modes", "fp32,bogus"])
