@@ -314,11 +314,11 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     kw = _model_kwargs(args.model_kwargs)
     results = []
     t0 = time.perf_counter()
-    modes = _names(args.modes)
-    unknown = [m for m in modes if m not in MODES + ("floor",)]
+    modes, known = _names(args.modes), MODES + ("floor",)
+    unknown = [m for m in modes if m not in known]
     if unknown:
         raise SystemExit(f"max-batch: unknown mode(s) {unknown}; choose from "
-                         f"{', '.join(MODES + ('floor',))}")
+                         f"{', '.join(known)}")
     for mode in modes:
         # floor: the plain forward under no_grad, the bound of every method (StepSpec.phase)
         phase = "no_grad" if mode == "floor" else "step"

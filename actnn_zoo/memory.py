@@ -44,7 +44,8 @@ __all__ = [
     "SavedReport", "saved_activation_bytes", "compression_ratio", "PeakReport", "peak_memory",
     "measure_step_memory", "StepSpec", "apply_mode", "build_step", "spec_peak_memory",
     "interleaved_step_times",
-    "MaxBatchResult", "find_max_batch", "MODES", "PHASES", "current_rss", "peak_rss", "reset_peak_rss",
+    "MaxBatchResult", "find_max_batch", "MODES", "PHASES", "current_rss", "peak_rss",
+    "reset_peak_rss",
 ]
 
 MiB = 2 ** 20

@@ -5,8 +5,8 @@ of samples (``backward_chunks: 4``), ratios from one run. Two modes are parts of
 ``2-bit forward only`` (the default's forward and loss, graph dropped) and ``floor (no-grad
 forward)`` (the plain forward and loss under ``torch.no_grad()``): no method that runs the
 model's forward as written can peak below the floor, so fp32's peak over it bounds what any
-activation compression can gain on that model (``StepSpec.phase``). The batch-1 cases measure the fixed
-cost per step (Python and dispatch of every Q-layer call).
+activation compression can gain on that model (``StepSpec.phase``). The batch-1 cases measure
+the fixed cost per step (Python and dispatch of every Q-layer call).
 
 Peaks: each mode in a fresh child process (``actnn_zoo.memory.spec_peak_memory``: VmHWM over
 the warmed-up resident set, every large tensor its own mapping). Times: all modes in this
