@@ -51,6 +51,10 @@ setup(
     version="0.1.0",
     description="Activation-compressed training for PyTorch: quantized drop-in layers",
     packages=find_packages(include=["actnn_zoo", "actnn_zoo.*"]),
+    # The shipped configs install with the package, so convert_model(model, "4bit") works
+    # outside a clone (actnn_zoo.config.shipped_configs); configs/ at the top of the
+    # repository is a link to this folder.
+    package_data={"actnn_zoo": ["configs/*.yaml"]},
     python_requires=">=3.9",
     install_requires=[TORCH_REQUIREMENT, "pyyaml"],
     ext_modules=[ext],

@@ -20,7 +20,8 @@ from .quant.api import ROUNDING, SUPPORTED_BITS, check_bits, check_group_size
 from .quant.hadamard import TRANSFORMS, check_transform, check_transform_group
 from .quant.division import COMPRESSORS, DEFAULT_BLOCK, check_block, check_compressor
 
-__all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config"]
+__all__ = ["LayerQConfig", "QuantConfig", "Rule", "STRATEGIES", "DEFAULT_STRATEGY", "as_config",
+           "shipped_configs"]
 
 
 # Backward of conv/linear/batch-norm/smooth-activation layers decodes a large saved input in
@@ -489,8 +490,6 @@ class QuantConfig:
     def from_yaml(cls, path_or_stream: Union[str, "os.PathLike[str]", io.IOBase, Any]
                   ) -> "QuantConfig":
         """Load a YAML file (path) or stream; errors name the file, key and line."""
-        import yaml
-
         if isinstance(path_or_stream, (str, os.PathLike)):
             source = os.fspath(path_or_stream)
             with open(source, encoding="utf-8") as f:
@@ -500,6 +499,35 @@ class QuantConfig:
             source = getattr(path_or_stream, "name", None) or "<stream>"
             if isinstance(text, bytes):
                 text = text.decode("utf-8")
+        return cls._from_text(text, source)
+
+    @classmethod
+    def from_name(cls, name: str) -> "QuantConfig":
+        """A config shipped with the package, by name (``"4bit"``; see :func:`shipped_configs`).
+
+        The shipped YAML files install with the package (``actnn_zoo/configs/``), so a name
+        works in any environment, while a path such as ``"configs/4bit.yaml"`` exists only in
+        a clone. An unknown name raises ``ValueError`` listing the shipped names.
+
+        >>> QuantConfig.from_name("4bit").bits
+        4
+        """
+        names = shipped_configs()
+        if not isinstance(name, str) or name not in names:
+            close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown config name {name!r}{hint}; shipped configs: "
+                             f"{', '.join(names)} (or give a YAML path, a dict or a "
+                             f"QuantConfig)")
+        resource = _configs_dir() / f"{name}{_SHIPPED_SUFFIX}"
+        return cls._from_text(resource.read_text(encoding="utf-8"),
+                              f"actnn_zoo/configs/{name}{_SHIPPED_SUFFIX}")
+
+    @classmethod
+    def _from_text(cls, text: str, source: str) -> "QuantConfig":
+        """Parse YAML text; ``source`` names the file in error messages."""
+        import yaml
+
         try:
             data = yaml.safe_load(text)
             lines = _yaml_key_lines(yaml.compose(text, Loader=yaml.SafeLoader), source)
@@ -670,18 +698,62 @@ def _yaml_key_lines(node: Any, source: str) -> Dict[_Path, int]:
 
 ConfigLike = Union[None, str, "os.PathLike[str]", Mapping[str, Any], QuantConfig]
 
+# ----------------------------------------------------------------------------- shipped configs
+_SHIPPED_SUFFIX = ".yaml"
+
+
+def _configs_dir() -> Any:
+    """The package's ``configs`` folder (a ``Traversable``: also inside a zip or wheel)."""
+    from importlib.resources import files
+
+    return files(__package__ or "actnn_zoo") / "configs"
+
+
+def shipped_configs() -> Tuple[str, ...]:
+    """Names of the configs that install with the package, sorted (``"2bit"``, ``"4bit"``, ...).
+
+    Each is ``actnn_zoo/configs/<name>.yaml``; pass the name wherever a config is accepted
+    (``convert_model(model, "4bit")``, ``--config 4bit``), or read it with
+    :meth:`QuantConfig.from_name`.
+    """
+    return tuple(sorted(entry.name[:-len(_SHIPPED_SUFFIX)] for entry in _configs_dir().iterdir()
+                        if entry.name.endswith(_SHIPPED_SUFFIX) and entry.is_file()))
+
+
+def is_config_name(text: str) -> bool:
+    """Whether a string is read as a shipped config's name rather than a path: it has no
+    directory separator and no ``.yaml``/``.yml`` suffix (``"4bit"``, not ``"4bit.yaml"`` or
+    ``"configs/4bit.yaml"``). A name never touches the file system, so a stray file called
+    ``4bit`` in the working directory cannot shadow the shipped config."""
+    seps = {os.sep, "/"} | ({os.altsep} if os.altsep else set())
+    return (not any(s in text for s in seps)
+            and not text.lower().endswith((".yaml", ".yml")))
+
 
 def as_config(config: ConfigLike = None, **overrides: Any) -> QuantConfig:
-    """Any accepted config form (None, YAML path, dict, QuantConfig) plus keyword overrides."""
+    """Any accepted config form plus keyword overrides.
+
+    ``config`` is None (the default config), a shipped config's name (``"4bit"``, see
+    :func:`shipped_configs`), a YAML path (a string with a directory separator or a
+    ``.yaml``/``.yml`` suffix, or an ``os.PathLike``), a dict, or a :class:`QuantConfig`.
+    """
     if config is None:
         cfg = QuantConfig()
     elif isinstance(config, QuantConfig):
         cfg = config
+    elif isinstance(config, str) and is_config_name(config):
+        cfg = QuantConfig.from_name(config)
     elif isinstance(config, (str, os.PathLike)):
-        cfg = QuantConfig.from_yaml(config)
+        path = os.fspath(config)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"config file {path!r} does not exist; the shipped configs are available by "
+                f"name in any environment: {', '.join(shipped_configs())} "
+                f"(e.g. convert_model(model, {shipped_configs()[0]!r}))")
+        cfg = QuantConfig.from_yaml(path)
     elif isinstance(config, Mapping):
         cfg = QuantConfig.from_dict(config)
     else:
-        raise TypeError(f"config must be None, a YAML path, a dict or a QuantConfig, "
-                        f"got {type(config).__name__}")
+        raise TypeError(f"config must be None, a shipped config's name, a YAML path, a dict "
+                        f"or a QuantConfig, got {type(config).__name__}")
     return cfg.replace(**overrides) if overrides else cfg

@@ -336,3 +336,62 @@ def test_rule_type_matches_the_float_class_of_a_q_layer():
     cfg = QuantConfig.from_dict({"rules": [{"type": "Conv2d", "bits": 8}]})
     assert resolved_bits(cfg, "c", q) == 8
     assert torch.is_tensor(q.weight)
+
+
+# ----------------------------------------------------------------------------- configs by name
+def test_every_shipped_config_loads_by_name_equal_to_its_file():
+    from actnn_zoo.config import shipped_configs
+
+    names = shipped_configs()
+    assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == list(names)
+    for name in names:
+        by_name = as_config(name)
+        assert by_name == QuantConfig.from_yaml(CONFIGS / f"{name}.yaml") == \
+            QuantConfig.from_name(name)
+        assert by_name.source == f"actnn_zoo/configs/{name}.yaml"
+    assert as_config("4bit").bits == 4 and as_config("actnn_1.5bit").bits == 1.5
+    assert as_config("actnn_l3") == QuantConfig()  # the default, written out
+    assert as_config("8bit", bits=2).bits == 2      # overrides apply on top of a name
+
+
+def test_convert_model_takes_a_shipped_name():
+    from actnn_zoo import convert_model
+
+    model = convert_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "8bit")
+    assert model[0].qconfig.bits == 8
+
+
+@pytest.mark.parametrize("bad", ["4bits", "no_such_config", "transformers"])
+def test_unknown_name_lists_the_shipped_names(bad):
+    from actnn_zoo.config import shipped_configs
+
+    with pytest.raises(ValueError, match=f"unknown config name '{bad}'") as e:
+        as_config(bad)
+    assert all(name in str(e.value) for name in shipped_configs())
+    with pytest.raises(ValueError, match="unknown config name"):
+        QuantConfig.from_name(bad)
+
+
+def test_a_name_suggests_the_closest_shipped_one():
+    with pytest.raises(ValueError, match=r"did you mean '4bit'\?"):
+        as_config("4bits")
+
+
+def test_paths_still_work_and_a_missing_path_points_at_the_names(tmp_path, monkeypatch):
+    from actnn_zoo.config import is_config_name
+
+    path = write(tmp_path, "bits: 8\nstrategy: uniform\n", "mine.yml")
+    assert as_config(str(path)).bits == 8 and as_config(path).bits == 8
+    assert as_config(str(CONFIGS / "4bit.yaml")).bits == 4
+    # a relative path with a suffix is a path, also without a directory part
+    monkeypatch.chdir(tmp_path)
+    assert as_config("mine.yml").bits == 8
+    # a file named like a shipped config does not shadow it: names never read the disk
+    write(tmp_path, "bits: 1\nstrategy: uniform\n", "4bit")
+    assert as_config("4bit").bits == 4
+    with pytest.raises(FileNotFoundError, match="shipped configs are available by name") as e:
+        as_config("configs/4bit.yaml")  # no configs/ in this folder (as outside a clone)
+    assert "4bit" in str(e.value)
+    assert is_config_name("4bit") and is_config_name("actnn_1.5bit")
+    assert not is_config_name("4bit.yaml") and not is_config_name("a/4bit")
+    assert not is_config_name("CFG.YML")
