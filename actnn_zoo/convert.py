@@ -294,8 +294,9 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
                   mapping: Optional[QMapping] = None, **overrides: Any) -> nn.Module:
     """Swap every layer with a Q-layer for it, in place; returns the (possibly new) root.
 
-    ``config``: None (defaults: ``strategy: actnn``, 2 bits on average), a YAML path, a dict
-    or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top. ``mapping`` adds
+    ``config``: None (defaults: ``strategy: actnn``, 2 bits on average), the name of a config
+    shipped with the package (``"4bit"``; :func:`actnn_zoo.config.shipped_configs`), a YAML
+    path, a dict or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top. ``mapping`` adds
     to or overrides the default torch -> Q class mapping (see :func:`register_mapping`; a
     value None opts a class out).
     Matching is by exact type, then dotted class path (third-party classes), then the first
