@@ -1,6 +1,6 @@
 """The demo: train on real data three ways (fp32, compressed, checkpointed) and print one table.
 
-``python -m actnn_zoo.demo [--full] [--seeds 3] [--bits 2] [--config configs/2bit.yaml]``
+``python -m actnn_zoo.demo [--full] [--seeds 3] [--bits 2] [--config 2bit]``
 
 The default is the quick preset (a few minutes on 2 cores); ``--full`` is the run behind the
 README's accuracy table.
@@ -25,7 +25,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -91,11 +91,87 @@ def mode_label(mode: str, bits: Optional[int], config: Any) -> str:
     return "converted" if config is not None else "2-bit (default)"
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+class _LineProgress:
+    """A phase's progress as one line on ``stream`` when the phase ends.
 
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr,
-                dynamic_ncols=True)
+    Used where stderr is not a terminal (CI, ``demo.sh > log 2>&1``): a progress bar there
+    writes hundreds of ``\r`` updates that a log keeps as one unreadable line. This prints
+    ``[demo] <phase>: <n> steps in <s> s, loss <first> -> <last>`` once instead.
+    """
+
+    def __init__(self, total: int, desc: str, stream: TextIO) -> None:
+        self.total, self.desc, self.stream = total, desc, stream
+        self.n = 0
+        self.first_loss: Optional[float] = None
+        self.last_loss: Optional[float] = None
+        self.start = time.perf_counter()
+
+    def update(self, n: int = 1, loss: Optional[float] = None) -> None:
+        self.n += n
+        if loss is not None:
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            self.last_loss = loss
+
+    def close(self) -> None:
+        loss = ("" if self.first_loss is None
+                else f", loss {self.first_loss:.4f} -> {self.last_loss:.4f}")
+        _phase_line(self.stream, f"{self.desc}: {self.n}/{self.total} steps in "
+                                 f"{time.perf_counter() - self.start:.1f} s{loss}")
+
+
+class _BarProgress:
+    """A tqdm bar (on a terminal); the same ``update``/``close`` as :class:`_LineProgress`."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def update(self, n: int = 1, loss: Optional[float] = None) -> None:
+        if loss is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _NoProgress:
+    """``progress=False``: nothing printed."""
+
+    def update(self, n: int = 1, loss: Optional[float] = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+def _phase_line(stream: TextIO, text: str) -> None:
+    """One line of progress for a finished phase (flushed, so a log shows it at once)."""
+    print(f"[demo] {text}", file=stream, flush=True)
+
+
+def _progress(total: int, desc: str, enabled: bool, stream: Optional[TextIO] = None):
+    """A progress reporter for one phase: a tqdm bar on a terminal, one line per phase
+    otherwise (or where tqdm is not installed), nothing when disabled."""
+    if not enabled:
+        return _NoProgress()
+    stream = sys.stderr if stream is None else stream
+    if _is_terminal(stream):
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # tqdm is a dev requirement, not the package's
+            pass
+        else:
+            return _BarProgress(tqdm(total=total, desc=desc, leave=False, file=stream,
+                                     dynamic_ncols=True))
+    return _LineProgress(total, desc, stream)
 
 
 def _cosine(step: int, total: int) -> float:
@@ -133,7 +209,7 @@ def train_digits(mode: str, setup: DigitsSetup = DigitsSetup(), seed: int = 0,
     order = torch.Generator().manual_seed(seed)  # data order independent of model-side RNG
     losses: List[float] = []
     times: List[float] = []
-    bar = _progress(total, f"digits {mode_label(mode, bits, config)}", progress)
+    bar = _progress(total, f"digits {mode_label(mode, bits, config)}, seed {seed}", progress)
     while len(losses) < total:
         for xb, yb in iterate_minibatches(data.x_train, data.y_train, setup.batch_size, order):
             t0 = time.perf_counter()
@@ -144,7 +220,7 @@ def train_digits(mode: str, setup: DigitsSetup = DigitsSetup(), seed: int = 0,
             sched.step()
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
-            bar.update(1)
+            bar.update(1, losses[-1])
             if len(losses) >= total:
                 break
     bar.close()
@@ -189,7 +265,7 @@ def train_text(mode: str, setup: TextSetup = TextSetup(), seed: int = 0,
     order = torch.Generator().manual_seed(seed)
     losses: List[float] = []
     times: List[float] = []
-    bar = _progress(total, f"text {mode_label(mode, bits, config)}", progress)
+    bar = _progress(total, f"text {mode_label(mode, bits, config)}, seed {seed}", progress)
     for _ in range(total):
         xb, yb = random_windows(corpus.train, setup.context, setup.batch_size, order)
         t0 = time.perf_counter()
@@ -202,7 +278,7 @@ def train_text(mode: str, setup: TextSetup = TextSetup(), seed: int = 0,
         sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
-        bar.update(1)
+        bar.update(1, losses[-1])
     bar.close()
     val = text_val_loss(model, corpus.val, setup.context, setup.eval_windows)
     return TrainResult(val, losses, times, model)
@@ -292,18 +368,28 @@ def run_task(task: str, modes: Sequence[str], seeds: Sequence[int], bits: Option
     else:
         raise ValueError(f"unknown task {task!r}")
 
+    def phase(text: str, since: float) -> None:
+        if progress:  # the bars cover training; these lines the phases between them
+            _phase_line(sys.stderr, f"{task} {text} ({time.perf_counter() - since:.1f} s)")
+
     rows: List[Row] = []
     all_runs = []
     for mode in modes:
+        label = mode_label(mode, bits, config)
         runs = [train(mode, s) for s in seeds]
         all_runs.append(runs)
         metrics = [r.metric for r in runs]
+        t = time.perf_counter()
         saved = _saved(lambda: make(mode), batch, loss)
+        phase(f"{label}: saved activations of one batch, {saved / 2 ** 20:.3f} MiB", t)
         peak_mib, note = None, ""
         if peak:
+            t = time.perf_counter()
             rep = spec_peak_memory(dataclasses.replace(spec, mode=mode))
             peak_mib = rep.delta_mib if rep.ok else None
             note = rep.method if rep.ok else (rep.error or "")
+            phase(f"{label}: one step's peak in a child process, " + (
+                f"{peak_mib:.1f} MiB" if peak_mib is not None else f"failed: {note}"), t)
         rows.append(Row(name, mode_label(mode, bits, config), metric_name,
                         statistics.fmean(metrics),
                         statistics.stdev(metrics) if len(metrics) > 1 else 0.0, len(seeds),
@@ -313,9 +399,11 @@ def run_task(task: str, modes: Sequence[str], seeds: Sequence[int], bits: Option
     # training loops above ran one mode after another, so load changes would skew them).
     train_batch = digits.batch_size if task == "digits" else text.batch_size
     if timing_steps > 0:
+        t = time.perf_counter()
         times = interleaved_step_times(
             {m: build_step(dataclasses.replace(spec, mode=m, batch_size=train_batch))
              for m in modes}, n=timing_steps, warmup=3, rounds=3)
+        phase(f"step time: {timing_steps} steps per mode, modes interleaved", t)
     else:  # fall back on the training loops' own step times
         times = {m: [t for r in runs for t in r.step_seconds[5:]]
                  for m, runs in zip(modes, all_runs)}
@@ -356,7 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to add seeds to an earlier run)")
     p.add_argument("--bits", type=int, choices=(1, 2, 4, 8), default=None,
                    help="override the config's bit width (default: the config's, 2 bits)")
-    p.add_argument("--config", default=None, help="YAML config for convert_model")
+    p.add_argument("--config", default=None,
+                   help="config for convert_model: a shipped config's name (2bit, 4bit, ...; "
+                        "actnn_zoo.config.shipped_configs()) or a YAML path")
     p.add_argument("--tasks", default="digits,text", help="comma list of: digits, text")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of: fp32, bits, "
                    "checkpoint (fp32 is the reference for the ratios)")
@@ -371,7 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "training loops' own step times)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="write rows, curves and environment here")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (by default a bar per training run on a "
+                        "terminal, else one line per phase)")
     return p
 
 

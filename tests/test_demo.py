@@ -1,7 +1,11 @@
 """Smoke runs of the demo's training functions, data loaders, table and CLI (a few steps each)."""
 from __future__ import annotations
 
+import io
+import re
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,11 +90,22 @@ def test_train_text_learns(corpus):
     assert 0 < r.metric < r.losses[0]  # validation loss below the untrained loss
 
 
-def test_run_task_table_fields(digits):
+def test_run_task_table_fields(digits, capsys):
     modes = ["fp32", "checkpoint", "bits"]
     small = DigitsSetup(epochs=1, batch_size=128, width=8)
     rows = run_task("digits", modes, [0], None, None, small, TINY_TEXT, peak=False,
-                    mem_batch=None, progress=False, timing_steps=6)
+                    mem_batch=None, progress=True, timing_steps=6)
+    # stderr here is pytest's capture, not a terminal: one line per phase, no bar updates
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    steps = len(digits.x_train) // 128
+    assert lines == [line for line in lines if line.startswith("[demo] digits ")]
+    assert len(lines) == 2 * len(modes) + 1  # train + saved bytes per mode, then step time
+    assert re.fullmatch(rf"\[demo\] digits fp32, seed 0: {steps}/{steps} steps in [\d.]+ s, "
+                        r"loss [\d.]+ -> [\d.]+", lines[0])
+    assert lines[1].startswith("[demo] digits fp32: saved activations of one batch, ")
+    assert lines[-1].startswith("[demo] digits step time: 6 steps per mode")
     assert [r.mode for r in rows][:2] == ["fp32", "checkpoint"]
     ref = rows[0]
     assert ref.ratio == pytest.approx(1.0) and ref.step_ratio == pytest.approx(1.0)
@@ -168,3 +183,44 @@ def test_cli_report_of_an_importable_model_factory(capsys):
         main(["report", "--model", "torch.nn:Sequential"])
     with pytest.raises(SystemExit, match="cannot import"):
         main(["report", "--model", "no_such_module:f", "--input-shape", "2,2"])
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal, as stderr is in an interactive shell."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_one_line_per_phase_elsewhere(digits, monkeypatch):
+    tty = _Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    train_digits("fp32", TINY_DIGITS, seed=0, data=digits, max_steps=5, progress=True)
+    assert "\r" in tty.getvalue() and "[demo]" not in tty.getvalue()  # tqdm redraws in place
+
+    log = io.StringIO()  # isatty() is False: a file, a pipe, CI
+    monkeypatch.setattr(sys, "stderr", log)
+    train_digits("fp32", TINY_DIGITS, seed=0, data=digits, max_steps=5, progress=True)
+    assert "\r" not in log.getvalue()
+    assert log.getvalue().count("\n") == 1
+    assert log.getvalue().startswith("[demo] digits fp32, seed 0: 5/5 steps in ")
+
+    quiet = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    train_digits("fp32", TINY_DIGITS, seed=0, data=digits, max_steps=5, progress=False)
+    assert quiet.getvalue() == ""
+
+
+def test_demo_cli_logs_one_line_per_phase_when_stderr_is_a_pipe():
+    """``python -m actnn_zoo.demo 2> log``, as scripts/demo.sh runs in CI."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "actnn_zoo.demo", "--tasks", "digits", "--epochs", "1",
+         "--modes", "fp32,bits", "--no-peak", "--timing-steps", "2", "--threads", "1"],
+        capture_output=True, text=True, timeout=300, check=True)
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+    lines = proc.stderr.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "[demo] digits fp32, seed 0", "[demo] digits fp32",
+        "[demo] digits 2-bit (default), seed 0", "[demo] digits 2-bit (default)",
+        "[demo] digits step time"]
+    assert "ResNet (digits)" in proc.stdout and "2-bit (default)" in proc.stdout
