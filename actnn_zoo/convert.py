@@ -247,7 +247,11 @@ def _table(header: Tuple[str, ...], rows: List[Tuple[str, ...]]) -> List[str]:
 
 
 def conversion_report(model: nn.Module) -> ConversionReport:
-    """The report of the last :func:`convert_model` on ``model`` (``model.actnn_zoo_report``)."""
+    """The report of the last :func:`convert_model` on ``model`` (``model.actnn_zoo_report``).
+
+    Which modules became Q-layers (and at what width), which were left alone and why, and
+    which config rules matched nothing: the first thing to read when a model saves more than
+    expected. ``print(az.conversion_report(model))`` prints it as tables."""
     report = getattr(model, REPORT_ATTR, None)
     if not isinstance(report, ConversionReport):
         raise ValueError("this model was not converted by actnn_zoo.convert_model")
@@ -294,10 +298,18 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
                   mapping: Optional[QMapping] = None, **overrides: Any) -> nn.Module:
     """Swap every layer with a Q-layer for it, in place; returns the (possibly new) root.
 
+    The converted model trains as before but keeps what its training forward saves for
+    backward compressed (2 bits per value on average by default), so a step needs less
+    memory; eval and ``no_grad`` forwards run the plain torch ops. Example::
+
+        model = az.convert_model(model)                  # the default: a 2-bit average
+        model = az.convert_model(model, "4bit")          # a shipped config, by name
+        model = az.convert_model(model, strategy="gact", bits=3)
+
     ``config``: None (defaults: ``strategy: actnn``, 2 bits on average), the name of a config
     shipped with the package (``"4bit"``; :func:`actnn_zoo.config.shipped_configs`), a YAML
-    path, a dict or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top. ``mapping`` adds
-    to or overrides the default torch -> Q class mapping (see :func:`register_mapping`; a
+    path, a dict or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top.
+    ``mapping`` adds to or overrides the default torch -> Q class mapping (see :func:`register_mapping`; a
     value None opts a class out).
     Matching is by exact type, then dotted class path (third-party classes), then the first
     mapped base class, which applies only to a subclass that keeps the base's ``forward``;
@@ -387,7 +399,11 @@ def _detach_precision(model: nn.Module) -> None:
 
 
 def precision_strategy(model: nn.Module) -> PrecisionStrategy:
-    """The bit-allocation strategy :func:`convert_model` attached to ``model``."""
+    """The bit-allocation strategy :func:`convert_model` attached to ``model``.
+
+    It chooses the Q-layers' widths from the gradients every ``update_interval`` steps (the
+    config's ``strategy``, ``actnn`` by default); get it to inspect what it chose, or call its
+    ``detach()`` to stop re-allocating (each layer then uses its configured width)."""
     strategy = vars(model).get(PRECISION_ATTR)
     if not isinstance(strategy, PrecisionStrategy):
         raise ValueError("this model was not converted by actnn_zoo.convert_model")
@@ -397,6 +413,7 @@ def precision_strategy(model: nn.Module) -> PrecisionStrategy:
 def restore_model(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_model`: every Q-layer back to its torch class, in place.
 
+    For exporting, serving or evaluating the plain model after compressed training.
     Parameters and buffers are shared, so the state_dict is unchanged. Returns the root
     (a new object when the root itself was a Q-layer).
     """

@@ -207,7 +207,11 @@ def detach_capture(root: nn.Module) -> None:
 
 def capture_report(model: nn.Module) -> Optional[CaptureStats]:
     """What tiers 2 and 3 did in ``model``'s last training forward (None before the first, or
-    when the model was converted with ``capture: false``)."""
+    when the model was converted with ``capture: false``).
+
+    Shows which functional calls were routed to compressed Functions, how many saved tensors
+    were compressed, and which stayed full precision and why: where to look when a model
+    with functional layers or a custom attention saves more than expected."""
     capture = vars(model).get(CAPTURE_ATTR)
     return capture.last_stats if isinstance(capture, Capture) else None
 

@@ -114,6 +114,13 @@ class _QConvTransposeNd(QModule):
 
 
 class QConv1d(_QConvNd, nn.Conv1d):
+    """nn.Conv1d that saves its input compressed (2 bits per value by default, not 32).
+
+    Only the weight gradient needs the input, and an unbiased one is enough for SGD, so the
+    input is kept as stochastically rounded codes; the output and the input gradient are
+    exact. Made by :func:`actnn_zoo.convert_model`, or directly with the same arguments as
+    ``nn.Conv1d`` plus ``qconfig`` (a :class:`actnn_zoo.LayerQConfig`)."""
+
     _FLOAT_MODULE = nn.Conv1d
     _DIMS = 1
 
@@ -127,6 +134,10 @@ class QConv1d(_QConvNd, nn.Conv1d):
 
 
 class QConv2d(_QConvNd, nn.Conv2d):
+    """nn.Conv2d that saves its input compressed (2 bits per value by default, not 32): the
+    largest saved tensors of a CNN. Only the weight gradient needs the input, and an unbiased
+    one is enough for SGD; the output and the input gradient are exact."""
+
     _FLOAT_MODULE = nn.Conv2d
     _DIMS = 2
 
@@ -140,6 +151,9 @@ class QConv2d(_QConvNd, nn.Conv2d):
 
 
 class QConv3d(_QConvNd, nn.Conv3d):
+    """nn.Conv3d that saves its input compressed, as :class:`QConv2d` does (only the weight
+    gradient reads it; output and input gradient exact)."""
+
     _FLOAT_MODULE = nn.Conv3d
     _DIMS = 3
 
@@ -153,6 +167,9 @@ class QConv3d(_QConvNd, nn.Conv3d):
 
 
 class QConvTranspose1d(_QConvTransposeNd, nn.ConvTranspose1d):
+    """nn.ConvTranspose1d that saves its input compressed: only the weight gradient reads it
+    (decoder and upsampling stacks save as much as the encoders)."""
+
     _FLOAT_MODULE = nn.ConvTranspose1d
     _DIMS = 1
 
@@ -167,6 +184,9 @@ class QConvTranspose1d(_QConvTransposeNd, nn.ConvTranspose1d):
 
 
 class QConvTranspose2d(_QConvTransposeNd, nn.ConvTranspose2d):
+    """nn.ConvTranspose2d that saves its input compressed: only the weight gradient reads it
+    (U-Net decoders, GAN generators)."""
+
     _FLOAT_MODULE = nn.ConvTranspose2d
     _DIMS = 2
 
@@ -181,6 +201,9 @@ class QConvTranspose2d(_QConvTransposeNd, nn.ConvTranspose2d):
 
 
 class QConvTranspose3d(_QConvTransposeNd, nn.ConvTranspose3d):
+    """nn.ConvTranspose3d that saves its input compressed: only the weight gradient reads
+    it."""
+
     _FLOAT_MODULE = nn.ConvTranspose3d
     _DIMS = 3
 

@@ -28,6 +28,12 @@ def use_function(module: QModule, x: Tensor, *params: Optional[Tensor]) -> bool:
 
 
 class QLinear(QModule, nn.Linear):
+    """nn.Linear that saves its input compressed (2 bits per value by default, not 32).
+
+    Transformers' and MLPs' largest saved tensors are Linear inputs; only the weight gradient
+    ``grad_y^T @ x`` reads them and an unbiased estimate is enough for SGD, so the input is
+    kept as stochastically rounded codes; the output and the input gradient are exact."""
+
     _FLOAT_MODULE = nn.Linear
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,

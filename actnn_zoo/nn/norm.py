@@ -77,6 +77,9 @@ class _QBatchNorm(QModule):
 
 
 class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
+    """nn.BatchNorm1d that saves its normalized input compressed plus the exact per-channel
+    statistics (running statistics updated as torch does); see :class:`QBatchNorm2d`."""
+
     _FLOAT_MODULE = nn.BatchNorm1d
     _INPUT_RANKS = (2, 3)
 
@@ -88,6 +91,13 @@ class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
 
 
 class QBatchNorm2d(_QBatchNorm, nn.BatchNorm2d):
+    """nn.BatchNorm2d that saves its normalized input compressed plus the exact per-channel
+    statistics, not its full input.
+
+    Compressing the normalized input rather than the raw one keeps channels of very different
+    scales at the same relative precision, so the 2-bit input gradient stays close to fp32's;
+    the running statistics are updated exactly as torch does."""
+
     _FLOAT_MODULE = nn.BatchNorm2d
     _INPUT_RANKS = (4,)
 
@@ -99,6 +109,9 @@ class QBatchNorm2d(_QBatchNorm, nn.BatchNorm2d):
 
 
 class QBatchNorm3d(_QBatchNorm, nn.BatchNorm3d):
+    """nn.BatchNorm3d that saves its normalized input compressed plus the exact per-channel
+    statistics; see :class:`QBatchNorm2d`."""
+
     _FLOAT_MODULE = nn.BatchNorm3d
     _INPUT_RANKS = (5,)
 
@@ -146,6 +159,10 @@ class QSyncBatchNorm(_QBatchNorm, nn.SyncBatchNorm):
 
 
 class QLayerNorm(QModule, nn.LayerNorm):
+    """nn.LayerNorm that saves its normalized input compressed plus the exact per-row
+    statistics, not its full input: every transformer block has two, each saving a tensor as
+    large as the residual stream."""
+
     _FLOAT_MODULE = nn.LayerNorm
 
     def __init__(self, normalized_shape: Union[int, List[int], torch.Size], eps: float = 1e-5,
@@ -162,6 +179,10 @@ class QLayerNorm(QModule, nn.LayerNorm):
 
 
 class QGroupNorm(QModule, nn.GroupNorm):
+    """nn.GroupNorm that saves its normalized input compressed plus the exact per-(sample,
+    group) statistics, so that groups of different scales keep the same relative
+    precision."""
+
     _FLOAT_MODULE = nn.GroupNorm
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,

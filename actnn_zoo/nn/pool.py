@@ -88,6 +88,9 @@ class QAdaptiveMaxPool2d(_QAdaptiveMaxPoolNd, nn.AdaptiveMaxPool2d):
 
 
 class QAdaptiveMaxPool3d(_QAdaptiveMaxPoolNd, nn.AdaptiveMaxPool3d):
+    """nn.AdaptiveMaxPool3d saving the position inside the (largest) window, bit-packed,
+    instead of torch's int64 indices."""
+
     _FLOAT_MODULE = nn.AdaptiveMaxPool3d
     _ND = 3
 
@@ -154,6 +157,9 @@ class _QAdaptiveAvgPoolNd(_QPool):
 
 
 class QAdaptiveAvgPool1d(_QAdaptiveAvgPoolNd, nn.AdaptiveAvgPool1d):
+    """nn.AdaptiveAvgPool1d saving nothing but shapes (torch's keeps its input alive for
+    backward, which needs only the input's shape)."""
+
     _FLOAT_MODULE = nn.AdaptiveAvgPool1d
     _FN = staticmethod(P.adaptive_avg_pool1d)
 
@@ -166,5 +172,8 @@ class QAdaptiveAvgPool2d(_QAdaptiveAvgPoolNd, nn.AdaptiveAvgPool2d):
 
 
 class QAdaptiveAvgPool3d(_QAdaptiveAvgPoolNd, nn.AdaptiveAvgPool3d):
+    """nn.AdaptiveAvgPool3d saving nothing but shapes (torch's keeps its input alive for
+    backward, which needs only the input's shape)."""
+
     _FLOAT_MODULE = nn.AdaptiveAvgPool3d
     _FN = staticmethod(P.adaptive_avg_pool3d)

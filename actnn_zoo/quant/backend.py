@@ -86,7 +86,10 @@ def _kernels_for(kind: str) -> ModuleType:
 
 
 def backend_name() -> str:
-    """"cuda", "cpp" or "reference": what runs on the best device of this machine."""
+    """"cuda", "cpp" or "reference": what runs on the best device of this machine.
+
+    "reference" means the compiled extension did not load and the slow pure-torch kernels
+    run (same results, much slower): check this first when training is unexpectedly slow."""
     ext = extension()
     if ext is None:
         return "reference"
