@@ -3,7 +3,7 @@
 ``python -m actnn_zoo.demo [--full] [--seeds 3] [--bits 2] [--config 2bit]``
 
 The default is the quick preset (a few minutes on 2 cores); ``--full`` is the run behind the
-README's accuracy table.
+accuracy table in docs/results.md.
 
 * digits (scikit-learn's bundled 8x8 images): the ResNet-style CNN, test accuracy;
 * stdlib source (the Python files next to ``os``): a char-level transformer, validation loss.
