@@ -354,7 +354,8 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- parser ----
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="config for convert_model: a shipped name (4bit, ...) or a YAML path")
+    p.add_argument("--config", default=None,
+                   help="config for convert_model: a shipped name (4bit, ...) or a YAML path")
     p.add_argument("--model-kwargs", default=None, help='JSON, e.g. \'{"width": 64}\'')
     p.add_argument("--device", default="cpu", help="cpu or cuda")
 
