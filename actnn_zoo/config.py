@@ -407,8 +407,8 @@ class QuantConfig:
     average). ``update_interval`` (default 10) is how often (in steps) such strategies
     re-allocate across layers (``actnn``: the per-sample widths within a layer still follow every
     batch; at 10 instead of 1 the text and digits results are unchanged and the CNN step is up
-    to a tenth of fp32's step shorter at batch 128, docs/results.md). A rule's ``bits`` pins the layers
-    it matches to that width under any strategy.
+    to a tenth of fp32's step shorter at batch 128, docs/results.md). A rule's ``bits`` pins
+    the layers it matches to that width under any strategy.
     ``error_fraction`` (strategy 'acgc' only, default 0.1) is the squared gradient error each
     layer's compression may cause, as a fraction of the squared gradient norm; the average
     width is then an outcome (``bits`` is only the width before the first statistics).
