@@ -13,6 +13,7 @@ from _checks_a import (cos, free_port, grads_of, loss_grad, make_pair, params, q
 from actnn_zoo.config import LayerQConfig
 import actnn_zoo.nn as qnn
 from actnn_zoo.functional import norm as fnorm
+from actnn_zoo.functional._rounding_variance import norm_stride, variance_nbytes
 from actnn_zoo.nn import (QBatchNorm1d, QBatchNorm2d, QBatchNorm3d, QGroupNorm, QLayerNorm,
                           QSyncBatchNorm)
 
@@ -119,11 +120,23 @@ def test_2bit_gradients_converge(name):
     assert err200 < 0.35 * single_x and err200 < 0.6 * err10, (err200, err10, single_x)
 
 
+def _variance_bytes(layer: nn.Module, x: torch.Tensor) -> int:
+    """The sampled rounding variances a norm also saves for its unbiased input gradient
+    (functional/_rounding_variance.py); their stride follows the values per statistic."""
+    if isinstance(layer, nn.LayerNorm):
+        m = math.prod(layer.normalized_shape)
+    elif isinstance(layer, nn.GroupNorm):
+        m = x.numel() // (x.shape[0] * layer.num_groups)
+    else:
+        m = x.numel() // x.shape[1]
+    return variance_nbytes(x.numel(), norm_stride(m))
+
+
 @pytest.mark.parametrize("name", IDS)
 def test_saved_bytes_are_compressed_input_and_statistics(name):
     ref, q, x, stat_bytes = _setup(name)
     out, nbytes = saved_bytes(lambda: q(x.clone().requires_grad_()), exclude=params(q))
-    assert nbytes == qbytes(x.shape, 2) + stat_bytes
+    assert nbytes == qbytes(x.shape, 2) + stat_bytes + _variance_bytes(ref, x)
     _, ref_bytes = saved_bytes(lambda: ref(x.clone().requires_grad_()), exclude=params(ref))
     assert ref_bytes >= 4 * x.numel() and nbytes < ref_bytes / 2
     out.sum().backward()

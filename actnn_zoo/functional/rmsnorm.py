@@ -15,10 +15,15 @@ Backward: with g = grad_out * weight (the gradient reaching n),
 Both are written in n and rstd, so unlike the other norms backward does not rebuild
 x = n / rstd: torch has no public aten backward op for rms_norm to hand x to, and the formula
 in n is one pass shorter. grad_weight is linear in the saved n (unbiased under stochastic
-rounding); grad_x has the same quadratic term in n as layer norm's (approximately unbiased).
+rounding); grad_x has the same quadratic term in n as layer norm's, whose diagonal is biased by
+``rstd * g_i * Var(n_hat_i) / m``. As in the other norms, forward also saves an unbiased
+estimate of the rounding variance (``_rounding_variance``) when x needs a gradient, and backward
+adds that term back: exactly unbiased for the plain stochastic quantizer
+(tests/test_bias.py).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +32,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
+from ._rounding_variance import add_at, norm_stride, sample_variance, variance_estimate
 from ._saving import compress, load, restore, save
 from .linear import cast, dtype_of, first_order_only, no_autocast
 from .norm import _needs_saved_input
@@ -79,17 +85,24 @@ class RMSNormFunction(torch.autograd.Function):
         out, n, rstd = _forward(x, weight, normalized_shape, eps, style)
         ctx.dims = tuple(range(-len(normalized_shape), 0))
         ctx.dtypes = (x.dtype, dtype_of(weight))
-        n_q = None
+        n_q = var = None
+        ctx.var_offset = None
         if _needs_saved_input(ctx, 1):
-            n_q = compress(n.to(torch.float32), qconfig, bits, maps=False)
+            n32 = n.to(torch.float32)
+            n_q = compress(n32, qconfig, bits, maps=False)
+            if ctx.needs_input_grad[0]:  # for the unbiased correction of grad_x
+                ctx.var_offset, var = sample_variance(n_q, lambda idx: torch.take(n32, idx),
+                                                      qconfig.rounding,
+                                                      norm_stride(math.prod(normalized_shape)))
+            del n32
         del n
-        save(ctx, n_q, rstd, weight)
+        save(ctx, n_q, rstd, weight, var)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         first_order_only("QRMSNorm (rms_norm)")
-        n_q, rstd, weight = load(ctx)
+        n_q, rstd, weight, var = load(ctx)
         need_x, need_w = ctx.needs_input_grad[:2]
         x_dtype, w_dtype = ctx.dtypes
         gi = gw = None
@@ -104,6 +117,12 @@ class RMSNormFunction(torch.autograd.Function):
                 if need_x:
                     g = go if weight is None else go * weight.to(work)
                     gi = rstd * (g - n * (g * n).mean(ctx.dims, keepdim=True))
+                    est = variance_estimate(ctx.var_offset, var, gi.numel())
+                    if est is not None:  # + rstd g_i Var(n_hat_i) / m (module docstring)
+                        m = math.prod(go.shape[go.dim() - len(ctx.dims):])
+                        idx, v = est
+                        add_at(gi, idx, torch.take(rstd.expand_as(gi), idx)
+                               * torch.take(g.expand_as(gi), idx) * v.to(work) / m)
         return (cast(gi, x_dtype) if need_x else None, cast(gw, w_dtype) if need_w else None,
                 None, None, None, None, None)
 
