@@ -80,9 +80,21 @@ row); with dropout 21 ms against 26.5 ms (torch's CPU dropout takes the math pat
 the probabilities). Peak above the inputs for one step at B=1, H=8, T=2048, causal (fresh
 process, VmHWM): ~90 MiB, torch's fused kernel ~63 MiB, the math path ~570 MiB.
 
-Second derivatives (``create_graph=True``) raise. A float mask that requires grad raises in
-backward (its gradient is not implemented; a silent ``None`` would be wrong). Without anything
-to differentiate (``no_grad``, or none of ``q, k, v`` requires grad) or with
+**Learned additive masks** (a float ``attn_mask`` that requires grad: T5's relative position
+bias, ALiBi-style learned slopes): the mask is added to the scaled scores, so its gradient is
+``dS`` itself, summed over the dims the mask is broadcast along (a missing or size-1 leading
+dim, a size-1 row or key dim). Each row tile's ``dS`` (already computed for ``dQ``, ``dK``) is
+reduced into a float32 buffer of the mask's own shape and dropped, so backward's peak grows by
+that buffer only (the gradient autograd needs anyway) and nothing more is saved: the mask is
+held by reference as any mask is, ``v`` is saved compressed as it is for ``dQ``, and no
+probabilities or ``dS`` are kept. A stride-0 (expanded) mask gets a gradient of its expanded
+shape, as autograd defines it; the expand's own backward sums it. Like ``dQ`` and ``dK``, the
+mask's gradient depends on ``q_hat, k_hat`` through the softmax, so it carries the same bias
+at 2 bits (measured in ``test_2bit_mask_gradient_bias``: about 0.2 of the gradient's norm at
+2 bits, < 0.02 at 4); only ``v_hat`` enters linearly.
+
+Second derivatives (``create_graph=True``) raise. Without anything to differentiate
+(``no_grad``, or none of ``q, k, v`` and the mask requires grad) or with
 ``qconfig.enabled=False``, :func:`scaled_dot_product_attention` is torch's own op.
 """
 from __future__ import annotations
@@ -360,6 +372,39 @@ class _Mask:
         s.add_(t)
 
 
+class _MaskGrad:
+    """The gradient of a float mask: each tile's ``dS`` reduced over the dims the mask is
+    broadcast along, into a float32 buffer of the mask's own shape (never larger: it is the
+    gradient autograd returns). Stride-0 dims are *not* reduced: the gradient of an expanded
+    view has the view's shape."""
+
+    def __init__(self, mask: Tensor, out_batch: torch.Size, work: torch.dtype) -> None:
+        self.shape = mask.shape
+        self.dtype = mask.dtype
+        full = (1,) * (len(out_batch) + 2 - mask.dim()) + tuple(mask.shape)
+        mb = full[:-2]
+        self.sum_rows, self.sum_keys = full[-2] == 1, full[-1] == 1
+        self.one_batch = math.prod(mb) == 1  # every batch dim broadcast: sum over the tile
+        self.index = None if self.one_batch else _batch_index(mb, out_batch, 1, mask.device)
+        self.buf = torch.zeros(math.prod(mb), full[-2], full[-1], dtype=work,
+                               device=mask.device)
+
+    def add(self, n0: int, n1: int, r0: int, r1: int, ds: Tensor) -> None:
+        """Accumulate ``ds`` (n1 - n0, r1 - r0, S), the score gradient of one tile."""
+        if self.sum_keys:
+            ds = ds.sum(-1, keepdim=True)
+        if self.sum_rows:
+            ds = ds.sum(1, keepdim=True)
+        dest = self.buf if self.sum_rows else self.buf[:, r0:r1]
+        if self.one_batch:
+            dest += ds.sum(0, keepdim=True)
+        else:
+            _accumulate(dest, self.index, n0, n1, ds)
+
+    def result(self) -> Tensor:
+        return self.buf.reshape(self.shape).to(self.dtype)
+
+
 def _causal_(s: Tensor, r0: int, r1: int) -> None:
     """torch's is_causal: the top-left aligned lower triangle takes part (key j <= row i);
     -inf is added above it (one (rows, S) bias, broadcast over the batch)."""
@@ -496,7 +541,8 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                     del p, o
         out = out.reshape(*plan.out_batch, L, plan.Ev)
 
-        need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # v enters dQ, dK and the mask's gradient (through dP); dV alone needs only q and k
+        need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]
 
         def comp(t: Tensor) -> object:
             return compress(t if t.dtype != torch.float64 else t.float(), qconfig, bits, maps=False)
@@ -512,12 +558,6 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         no_double_backward("scaled_dot_product_attention")
-        if ctx.needs_input_grad[3]:
-            raise NotImplementedError(
-                "actnn_zoo scaled_dot_product_attention: the gradient of a float attn_mask that "
-                "requires grad is not implemented (the compressed backward computes dQ, dK and "
-                "dV only). Detach the mask, or use torch's F.scaled_dot_product_attention "
-                "(qconfig enabled=False) for this call.")
         attn_mask = ctx.attn_mask
         if attn_mask is not None and tensor_version(attn_mask) != ctx.mask_version:
             raise RuntimeError(
@@ -527,7 +567,7 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                 f"{ctx.mask_version} instead.")
         qc, kc, vc = load(ctx)
         dropout_p, is_causal, scale, enable_gqa, mask_round, block, seed = ctx.args
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        need_q, need_k, need_v, need_m = ctx.needs_input_grad[:4]
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         dev = grad_out.device
         work = _work_dtype(q_dtype)
@@ -538,13 +578,14 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         mask = (_Mask(attn_mask, plan.out_batch, L, S, mask_round)
                 if attn_mask is not None else None)
         q, k = _rows(restore(qc)), _rows(restore(kc))
-        v = _rows(restore(vc)) if vc is not None else None  # saved when dQ or dK is needed
+        v = _rows(restore(vc)) if vc is not None else None  # saved when dS is needed
         go = _rows(grad_out)
 
         dq = torch.zeros(q.shape, dtype=work, device=dev) if need_q else None
         dk = torch.zeros(k.shape, dtype=work, device=dev) if need_k else None
         dv = (torch.zeros(math.prod(vshape[:-2]), S, Ev, dtype=work, device=dev)
               if need_v else None)
+        dm = _MaskGrad(attn_mask, plan.out_batch, work) if need_m else None
         with _no_autocast(dev):
             for n0, n1 in plan.batch_tiles():
                 kt = _take(k, plan.ki, n0, n1).to(work)
@@ -563,13 +604,15 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                         g = g * drop.scale  # g may be a view of grad_out)
                     if need_v:  # dV = (P * M)^T dO
                         dvt[:, :ke].baddbmm_((p if keep is None else p * keep).transpose(1, 2), g)
-                    if need_q or need_k:
+                    if need_q or need_k or need_m:
                         dp = torch.bmm(g, vt[:, :ke].transpose(1, 2))
                         if keep is not None:
                             dp.mul_(keep)
                         ds = dp.mul_(p)  # dS = P * (dP - D), D = rowsum(P * dP), in dP's memory
                         ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1.0)
                         del p
+                        if need_m:  # the mask is added to the scaled scores: dMask = dS
+                            dm.add(n0, n1, r0, r1, ds)
                         if need_q:
                             _accumulate(dq[:, r0:r1], plan.qi, n0, n1,
                                         torch.bmm(ds, kk).mul_(scale))
@@ -583,7 +626,8 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         gq = dq.reshape(qc.shape).to(q_dtype) if need_q else None
         gk = dk.reshape(kc.shape).to(k_dtype) if need_k else None
         gv = dv.reshape(vshape).to(v_dtype) if need_v else None
-        return (gq, gk, gv) + (None,) * 9
+        gm = dm.result() if need_m else None
+        return (gq, gk, gv, gm) + (None,) * 8
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -617,8 +661,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                 mask_round, mask_dtype = ac, ac
     _check_inputs(query, key, value, attn_mask, mask_dtype, float(dropout_p), bool(is_causal),
                   bool(enable_gqa))
-    wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                              or value.requires_grad)
+    wants_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+        or (isinstance(attn_mask, Tensor) and attn_mask.requires_grad))
     if not qconfig.enabled or not wants_grad:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
                                               is_causal, scale=scale, enable_gqa=enable_gqa)
