@@ -24,7 +24,9 @@ Routed, and why (what the op itself would save, and what the zoo saves instead):
   probabilities) -> compressed q, k, v only, the probabilities recomputed and renormalized
   in backward (``functional/attention.py``). Compressing the log-sum-exp, as tier 3 would, is
   biased (``exp`` of rounding noise). Attention gets at least :data:`ATTENTION_MIN_BITS`:
-  measured there, 2-bit q, k carry twice the gradient's norm of noise per pass.
+  measured there, 2-bit q, k carry twice the gradient's norm of noise per pass. A learned
+  float mask (T5's relative position bias, ALiBi slopes) gets its gradient there too, saving
+  nothing more (the mask is the caller's tensor, held by reference).
 
 Not routed on purpose: linear / addmm / matmul / bmm / mul save exactly their operands, and
 their backward is linear in each saved operand, so tier 3 compressing those operands (once,
@@ -244,14 +246,14 @@ def _attention(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
              "enable_gqa")
     q, k, v = (_arg(args, kwargs, i, n, None) for i, n in enumerate(names[:3]))
-    if not _only(args, kwargs, names) or not any(_saves(t) for t in (q, k, v)):
+    mask = _arg(args, kwargs, 3, "attn_mask", None)
+    if not _only(args, kwargs, names) or not any(_saves(t) for t in (q, k, v, mask)):
         return func(*args, **kwargs)
     if not all(type(t) is Tensor and t.dtype in _COMPRESSIBLE for t in (q, k, v)):
         return func(*args, **kwargs)
     session.stats.route("scaled_dot_product_attention")
     return A.scaled_dot_product_attention(
-        q, k, v, _arg(args, kwargs, 3, "attn_mask", None),
-        float(_arg(args, kwargs, 4, "dropout_p", 0.0)),
+        q, k, v, mask, float(_arg(args, kwargs, 4, "dropout_p", 0.0)),
         bool(_arg(args, kwargs, 5, "is_causal", False)), _arg(args, kwargs, 6, "scale", None),
         bool(_arg(args, kwargs, 7, "enable_gqa", False)),
         qconfig=session.qconfig, bits=max(int(session.qconfig.bits), ATTENTION_MIN_BITS))

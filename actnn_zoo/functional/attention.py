@@ -10,7 +10,7 @@ on CPU and CUDA:
   float64 inputs): scores, scale, mask / causal, softmax, dropout, ``P @ v``. The peak is one
   tile of scores plus its temporaries, never ``L x S`` per head.
 * **Saved** (through :func:`~actnn_zoo.functional._saving.save`): ``compress(q)``,
-  ``compress(k)`` and, when ``q`` or ``k`` needs a gradient, ``compress(v)``
+  ``compress(k)`` and, when ``q``, ``k`` or the mask needs a gradient, ``compress(v)``
   (``qconfig.bits``, stochastic rounding; float64 inputs are compressed as float32, since
   quantization holds up to float32 and its own error dwarfs the cast). With dropout, one int
   seed on ``ctx``. Nothing with ``L x S`` elements is saved. At B=2, H=4, L=S=512, E=64 and
@@ -26,7 +26,8 @@ on CPU and CUDA:
   (and the same dropout mask): per tile, ``P = softmax(q_hat k_hat^T * scale + mask)``
   recomputed and normalized over its whole row, ``dV += (P*M)^T dO``, ``dP = dO v_hat^T * M``,
   ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``, ``dQ = dS k_hat * scale``,
-  ``dK += dS^T q_hat * scale``.
+  ``dK += dS^T q_hat * scale`` and, for a learned mask, ``dMask += dS`` summed over the
+  mask's broadcast dims.
 
 Why not FlashAttention's saved set (``q, k, v``, output ``o`` and the log-sum-exp)? Its
 backward needs ``lse`` and ``o`` because it also tiles over keys; here every tile holds whole
