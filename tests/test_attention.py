@@ -300,7 +300,7 @@ def mask_cases(draw):
     return c
 
 
-@HYP
+@settings(HYP, max_examples=60)
 @given(case=mask_cases())
 def test_mask_gradient_is_exact_at_dequantized_inputs(case):
     """Every broadcast shape (batch, heads, rows or keys of size 1, missing leading dims, an
@@ -840,3 +840,16 @@ class TestCUDA:
         q, k, v = (t.detach().cuda().requires_grad_(True) for t in leaves([(2, 4, 512, 64)] * 3))
         _, seen = saved_tensors(lambda: scaled_dot_product_attention(q, k, v, is_causal=True))
         assert sum(t.numel() * t.element_size() for t in seen) == 208_896
+
+    def test_learned_mask_gradient(self):
+        q, k, v = (t.detach().cuda().requires_grad_(True) for t in
+                   leaves([(2, 4, 70, 32), (2, 4, 90, 32), (2, 4, 90, 16)]))
+        mask = (0.5 * torch.randn(1, 4, 70, 90, device="cuda")).requires_grad_(True)
+        g = torch.randn(2, 4, 70, 16, device="cuda")
+        with block(5000):
+            out = scaled_dot_product_attention(q, k, v, attn_mask=mask, qconfig=Q8N)
+            ours = grads(out, (q, k, v, mask), g)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                             attn_mask=mask.double())
+        for a, b in zip(ours, grads(ref, (q, k, v, mask), g.double())):
+            assert a.shape == b.shape and cosine(a, b) >= 0.9999
