@@ -16,8 +16,6 @@ import actnn_zoo.functional.loss as loss_mod
 from actnn_zoo.config import LayerQConfig
 from actnn_zoo.functional.loss import cross_entropy, linear_cross_entropy
 
-pytestmark = pytest.mark.filterwarnings("ignore:actnn_zoo. using the slow")
-
 Q8 = LayerQConfig(bits=8)
 Q2 = LayerQConfig(bits=2)
 HYP = settings(max_examples=40, deadline=None, derandomize=True,
@@ -159,7 +157,21 @@ def test_cross_entropy_probability_targets_and_float64_are_torch():
     assert torch.equal(cross_entropy(x64, t), F.cross_entropy(x64, t))
 
 
-def test_cross_entropy_errors_are_torchs():
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("target", [7, -3])
+def test_cross_entropy_bad_target_raises_without_a_read_back(target, weighted):
+    """Without the debug checks the targets are not read back (a device wait on a GPU): the
+    gathers at the target raise on the CPU, also for a negative target with a class weight
+    (indexing would wrap it around silently)."""
+    x = torch.randn(4, 5, requires_grad=True)
+    t = torch.tensor([0, 1, 2, target])
+    weight = torch.rand(5) if weighted else None
+    with pytest.raises(RuntimeError, match=f"index {target} is out of bounds"):
+        cross_entropy(x, t, weight=weight)
+
+
+def test_cross_entropy_errors_are_torchs(monkeypatch):
+    monkeypatch.setenv("ACTNN_ZOO_DEBUG", "1")  # the target check reads the targets back
     x = torch.randn(4, 5, requires_grad=True)
     t = torch.tensor([0, 1, 2, 3])
     cases = [
@@ -456,7 +468,7 @@ def test_linear_cross_entropy_errors_and_fallbacks():
         linear_cross_entropy(x, torch.randn(10, 5), None, t)
     with pytest.raises(ValueError, match="target shape"):
         linear_cross_entropy(x, w, None, t[:5])
-    with pytest.raises(IndexError, match="out of bounds"):
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
         linear_cross_entropy(x, w, None, torch.full((6,), 10))
     with pytest.raises(RuntimeError, match="label_smoothing"):
         linear_cross_entropy(x, w, None, t, label_smoothing=1.5)

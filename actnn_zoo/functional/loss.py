@@ -99,7 +99,6 @@ saved, so backward with ``create_graph=True`` raises.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -108,6 +107,9 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, SampleBits
+from ..quant.api import debug_checks
+from ._autocast import autocast_enabled as _autocast_on
+from ._autocast import no_autocast as _no_autocast
 from ._saving import compress, load, restore, save
 from .activation import no_double_backward
 
@@ -177,18 +179,6 @@ def _token_bits(bits: Optional[Bits], x: Tensor) -> Optional[Bits]:
     return widths.repeat_interleave(x.shape[1:-1].numel())
 
 
-def _autocast_on(t: Tensor) -> bool:
-    return t.device.type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(
-        t.device.type)
-
-
-def _no_autocast(t: Tensor):
-    """Autocast off inside forward: the dtypes are chosen explicitly (as torch's autocast
-    would) before the Function runs."""
-    return torch.autocast(t.device.type, enabled=False) if _autocast_on(t) \
-        else contextlib.nullcontext()
-
-
 def _check_reduction(reduction: str) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
@@ -197,21 +187,27 @@ def _check_reduction(reduction: str) -> None:
 def _targets(target: Tensor, classes: int, ignore_index: int, weight: Optional[Tensor]
              ) -> Tuple[Tensor, Tensor, Tensor]:
     """Per row: the target with ignored rows set to 0 (a safe index), the valid mask, and the
-    target's weight (0 on ignored rows), float32."""
+    target's weight (0 on ignored rows), float32.
+
+    An out-of-range target is caught without reading the targets back (a device wait on a
+    GPU): the gathers that read the logits and the weight at the target raise on the CPU
+    ("index 7 is out of bounds ...") and assert on the device on CUDA, as torch's own kernels
+    do. With the debug checks on (``ACTNN_ZOO_DEBUG=1``) the targets are read here and the
+    error is torch's own ``IndexError: Target 7 is out of bounds.``"""
     if target.dtype not in (torch.int64, torch.uint8):
         raise RuntimeError(f"expected target dtype to be Long or Byte, but got "
                            f"{_dtype_name(target.dtype)}")
     tf = target.reshape(-1).long()
     valid = tf != ignore_index
-    if tf.device.type == "cpu":  # on CUDA the gather below asserts on the device, like torch
+    if debug_checks():
         bad = valid & ((tf < 0) | (tf >= classes))
         if bool(bad.any()):
             raise IndexError(f"Target {int(tf[bad][0])} is out of bounds.")
     tt = torch.where(valid, tf, 0)
     if weight is None:
         wt = valid.float()
-    else:
-        wt = torch.where(valid, weight.float()[tt], 0.0)
+    else:  # gather, not indexing: a negative target must raise, not wrap around
+        wt = torch.where(valid, weight.float().gather(0, tt), 0.0)
     return tt, valid, wt
 
 

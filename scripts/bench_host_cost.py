@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Host cost of a converted model's training step: what the library adds on the host, per step
+and per Q-module, at tensors so small that the arithmetic is negligible.
+
+On a GPU the kernels run asynchronously and a step is as fast as its host side once the host
+falls behind; on the CPU with tiny tensors the step is almost all host work, so its time here
+is the host cost a GPU step would pay. Every mode of a model is timed in one process, round
+robin (a machine that gets busier shifts every mode alike), on one torch thread with this
+thread's CPU time as the clock; the median step per mode is reported with its ratio to fp32's
+and the extra microseconds per Q-module over fp32.
+
+    .venv/bin/python scripts/bench_host_cost.py                      # every model
+    .venv/bin/python scripts/bench_host_cost.py --models gpt2 --steps 40 --rounds 5
+
+Models (random init, nothing downloaded):
+  resnet50  torchvision ResNet-50, batch 2, 32x32 images, cross-entropy (torchvision from
+            ``.bench_deps``, see scripts/third_party.py)
+  gpt2      transformers GPT-2, 12 layers of width 64, 4 heads, 16 tokens, batch 2, the loss
+            inside the model (``labels=``)
+  cnn       the project's DigitsResNet (actnn_zoo.models) at batch 128, 28x28
+Modes: fp32 (the plain model), default (``convert_model(model)``: 2-bit average, actnn
+strategy, capture on), uniform-2 (2 bits everywhere, no strategy), no-capture (uniform 2 bits,
+``capture: false``), checkpoint (the plain model, ``torch.utils.checkpoint`` per block).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import actnn_zoo as az  # noqa: E402
+from actnn_zoo.nn._base import QModule  # noqa: E402
+
+MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint")
+OVERRIDES = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
+             "no-capture": {"bits": 2, "strategy": "uniform", "capture": False}}
+
+
+class _Checkpointed(nn.Module):
+    """A block run under non-reentrant ``torch.utils.checkpoint`` in training."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        if self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False,
+                                                     **kwargs)
+        return self.block(*args, **kwargs)
+
+
+Workload = Tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor],
+                 Callable[[nn.Module], nn.Module]]
+
+
+def _resnet50() -> Workload:
+    from third_party import import_vision
+
+    tv, _, why = import_vision()
+    if tv is None:
+        raise SystemExit(f"resnet50 needs torchvision ({why}); see scripts/third_party.py")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+
+    def checkpointed(m: nn.Module) -> nn.Module:
+        for stage in (m.layer1, m.layer2, m.layer3, m.layer4):
+            for i in range(len(stage)):
+                stage[i] = _Checkpointed(stage[i])
+        return m
+    return (lambda: tv.models.resnet50(weights=None, num_classes=10),
+            lambda m: F.cross_entropy(m(x), y), checkpointed)
+
+
+def _gpt2() -> Workload:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def checkpointed(m: nn.Module) -> nn.Module:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+    return (lambda: GPT2LMHeadModel(cfg), lambda m: m(ids, labels=ids).loss, checkpointed)
+
+
+def _cnn() -> Workload:
+    from actnn_zoo.models import DigitsResNet, set_checkpointing
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, 1, 28, 28, generator=g), torch.randint(0, 10, (128,), generator=g)
+    return (lambda: DigitsResNet(), lambda m: F.cross_entropy(m(x), y),
+            lambda m: set_checkpointing(m, True))
+
+
+MODELS: Dict[str, Callable[[], Workload]] = {"resnet50": _resnet50, "gpt2": _gpt2,
+                                             "cnn": _cnn}
+
+
+def build_steps(name: str, modes: Sequence[str]) -> Tuple[Dict[str, Callable[[], None]], int]:
+    """One step function per mode (forward, loss, backward, gradients dropped) and the number
+    of Q-modules of the converted model."""
+    make, loss_of, checkpointed = MODELS[name]()
+    torch.manual_seed(0)
+    base = make().train()
+    steps: Dict[str, Callable[[], None]] = {}
+    n_q = 0
+    for mode in modes:
+        model = copy.deepcopy(base)
+        if mode in OVERRIDES:
+            model = az.convert_model(model, **OVERRIDES[mode])
+            n_q = max(n_q, sum(isinstance(m, QModule) for m in model.modules()))
+        elif mode == "checkpoint":
+            model = checkpointed(model)
+        elif mode != "fp32":
+            raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+
+        def step(model: nn.Module = model) -> None:
+            loss_of(model).backward()
+            for p in model.parameters():
+                p.grad = None
+        steps[mode] = step
+    return steps, n_q
+
+
+def timed(steps: Dict[str, Callable[[], None]], n: int, warmup: int, rounds: int
+          ) -> Dict[str, List[float]]:
+    """Seconds per step of each mode: ``warmup`` untimed steps, then ``rounds`` round-robin
+    chunks of ``n`` steps (this thread's CPU time)."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    out: Dict[str, List[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, fn in steps.items():
+            for _ in range(n):
+                t0 = time.thread_time()
+                fn()
+                out[k].append(time.thread_time() - t0)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode and round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=15,
+                   help="untimed steps per mode first (past the strategy's first allocations)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if "fp32" not in modes:
+        modes.insert(0, "fp32")
+    print(f"torch {torch.__version__}, 1 thread, thread CPU time; median ms per step "
+          f"({args.steps} steps x {args.rounds} rounds per mode, {args.warmup} warm-up)")
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if name not in MODELS:
+            p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+        steps, n_q = build_steps(name, modes)
+        times = timed(steps, args.steps, args.warmup, args.rounds)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"\n{name}: {n_q} Q-modules when converted")
+        print(f"{'mode':12s} | {'ms/step':>8s} | {'x fp32':>7s} | {'extra us per Q-module':>22s}")
+        for k in modes:
+            extra = (med[k] - med["fp32"]) * 1e3 / n_q if n_q and k in OVERRIDES else None
+            cell = f"{extra:22.0f}" if extra is not None else " " * 22
+            print(f"{k:12s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
