@@ -23,7 +23,6 @@ the payloads autograd holds remain.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -31,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
+from .._compile import eager as _eager
 from .._torch_private import (inside_checkpoint, saved_by_checkpoint, tensor_base,
                               tensor_version)
 from ..config import LayerQConfig
@@ -43,23 +43,6 @@ from .session import current_observer
 __all__ = ["CompressedStore", "CaptureStats", "ZeroCodeSlot", "ZeroCodeClaim", "dense_order"]
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _eager(fn: Callable) -> Callable:
-    """Run ``fn`` eagerly under ``torch.compile``: the store's bookkeeping (storage addresses,
-    weak references, the extension's kernels) is host code that dynamo would otherwise try to
-    trace and recompile for every dtype and shape it meets. Outside compilation ``fn`` is
-    called directly: the disabled wrapper swaps dynamo's frame callback twice per call, a cost
-    paid by every tensor a training step saves."""
-    disabled = torch.compiler.disable(fn)
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return call
 
 
 @dataclass

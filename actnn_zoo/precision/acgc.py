@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .._compile import EagerHook
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
@@ -171,14 +172,15 @@ class ACGCStrategy(PrecisionStrategy):
             w = _Layer(self, tl, kind)
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
-            self._keep(tl.module.register_forward_pre_hook(w.pre_hook))
-            self._keep(tl.module.register_forward_hook(w.post_hook))
+            self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
+            self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
             weight = getattr(tl.module, "weight", None)
             if kind.modelled and isinstance(weight, nn.Parameter) and weight.requires_grad:
-                self._keep(weight.register_hook(w.weight_grad))
+                self._keep(weight.register_hook(EagerHook(w.weight_grad)))
             self.watched.append(w)
         if self.watched:
-            self._keep(model.register_forward_pre_hook(self.on_model_forward, prepend=True))
+            self._keep(model.register_forward_pre_hook(EagerHook(self.on_model_forward),
+                                                        prepend=True))
 
     def detach(self) -> None:
         super().detach()

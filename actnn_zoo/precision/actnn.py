@@ -65,6 +65,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._compile import EagerHook
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
@@ -294,13 +295,14 @@ class ActNNStrategy(PrecisionStrategy):
             w = _Watched(self, tl.name, tl.module, kind, tl.pinned_bits)
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
-            self._keep(tl.module.register_forward_pre_hook(w.pre_hook))
+            self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
             if tl.pinned_bits is None:
-                self._keep(tl.module.register_forward_hook(w.post_hook))
+                self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
             self.watched.append(w)
         if self.watched:  # prepended: runs before a watched root layer's own pre-hook
-            self._keep(model.register_forward_pre_hook(self.on_model_forward, prepend=True))
-            self._keep(model.register_forward_hook(self.on_model_forward_end,
+            self._keep(model.register_forward_pre_hook(EagerHook(self.on_model_forward),
+                                                        prepend=True))
+            self._keep(model.register_forward_hook(EagerHook(self.on_model_forward_end),
                                                    always_call=True))
 
     def detach(self) -> None:

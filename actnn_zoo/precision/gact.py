@@ -72,6 +72,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._compile import EagerHook
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
@@ -266,13 +267,13 @@ class GACTStrategy(PrecisionStrategy):
             if w.kind is not None:
                 tl.module.precision_stats = w.stats
             # every Q-layer is seeded during a probe (dropout too: same masks in every pass)
-            self._keep(tl.module.register_forward_pre_hook(w.pre_hook))
-            self._keep(tl.module.register_forward_hook(w.post_hook))
+            self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
+            self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
             self.layers_.append(w)
         if any(w.kind is not None for w in self.layers_):
-            self._keep(model.register_forward_pre_hook(self.on_model_forward, prepend=True,
-                                                       with_kwargs=True))
-            self._keep(model.register_forward_hook(self.on_model_output))
+            self._keep(model.register_forward_pre_hook(EagerHook(self.on_model_forward),
+                                                        prepend=True, with_kwargs=True))
+            self._keep(model.register_forward_hook(EagerHook(self.on_model_output)))
 
     def detach(self) -> None:
         super().detach()

@@ -1,0 +1,61 @@
+"""What runs eagerly under ``torch.compile``: host bookkeeping dynamo should not trace."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager(fn: F) -> F:
+    """``fn``, run eagerly when called while ``torch.compile`` traces.
+
+    Why: the capture store's bookkeeping (storage addresses, weak references, the extension's
+    kernels) and the precision strategies' hooks (per-sample widths from the extension's
+    allocation kernel, host-side step counters) are host code. Traced by dynamo they recompile
+    for every dtype and shape they meet, and a resumed frame inside them crashed (the actnn
+    strategy after its first re-allocation). Outside compilation ``fn`` is called directly: the
+    disabled wrapper swaps dynamo's frame callback twice per call, a cost every saved tensor
+    and hook call would pay."""
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+class EagerHook:
+    """A hook (usually a bound method of a precision strategy's per-layer state) run eagerly
+    under ``torch.compile``, as :func:`eager` runs a function.
+
+    A class rather than a closure so that ``copy.deepcopy`` of a model copies the hook's
+    target with it (a function object is copied by reference, so a closure would keep calling
+    the original model's strategy)."""
+
+    __slots__ = ("fn", "_disabled")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        # made here, not at the first compiled call: dynamo traces __call__, and an attribute
+        # set while tracing is not there when the traced frame runs
+        self._disabled = torch.compiler.disable(fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._disabled(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def __getstate__(self) -> Any:  # deepcopy / pickle: the target only
+        return self.fn
+
+    def __setstate__(self, fn: Callable[..., Any]) -> None:
+        self.__init__(fn)
+
+    def __repr__(self) -> str:
+        return f"EagerHook({self.fn!r})"
