@@ -62,7 +62,8 @@ def _environment() -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------------- report ----
 def cmd_report(args: argparse.Namespace) -> int:
-    from .memory import apply_mode, saved_activation_bytes
+    from .bench import apply_mode
+    from .memory import saved_activation_bytes
     from .models import build_model, example_batch, workload
 
     import torch
@@ -179,7 +180,8 @@ def bench_rows(models: Sequence[str], bits_list: Sequence[int], strategy: Option
     ``strategy`` adds a row with that strategy at the config's budget."""
     import torch
 
-    from .memory import StepSpec, apply_mode, saved_activation_bytes, spec_peak_memory
+    from .bench import StepSpec, apply_mode, spec_peak_memory
+    from .memory import saved_activation_bytes
     from .models import build_model, example_batch, workload
 
     rows: List[Dict[str, Any]] = []
@@ -269,7 +271,7 @@ def bench_table(rows: Sequence[Dict[str, Any]]) -> str:
 def peak_sweep(model: str, batches: Sequence[int], bits: int, config: Any,
                model_kwargs: Dict[str, Any], device: str, log=print) -> List[Dict[str, Any]]:
     """Peak memory per batch size for fp32, ``bits`` and checkpointing (for the plot)."""
-    from .memory import StepSpec, spec_peak_memory
+    from .bench import StepSpec, spec_peak_memory
 
     out = []
     for b in batches:
@@ -308,7 +310,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------------- max-batch ----
 def cmd_max_batch(args: argparse.Namespace) -> int:
-    from .memory import MODES, StepSpec, find_max_batch
+    from .bench import MODES, StepSpec, find_max_batch
 
     cap = int(args.cap_mib * MiB) if args.cap_mib else None
     kw = _model_kwargs(args.model_kwargs)

@@ -43,18 +43,16 @@ void check_same_device(const at::Tensor& ref, const char* ref_name,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact) {
+    int64_t group_size, int64_t seed, bool stochastic) {
   RECORD_USER_SCOPE("actnn_zoo::quantize");
   check_same_device(x2d, "x2d", {{&bits, "bits"}, {&offsets, "offsets"}});
   if (x2d.device().is_cpu()) {
-    return actnn_zoo::quantize_cpu(x2d, bits, offsets, total, group_size, seed, stochastic,
-                                   zero_exact);
+    return actnn_zoo::quantize_cpu(x2d, bits, offsets, total, group_size, seed, stochastic);
   }
 #ifdef ACTNN_ZOO_CUDA
   if (x2d.is_cuda()) {
     const c10::DeviceGuard guard(x2d.device());
-    return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic,
-                                    zero_exact);
+    return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic);
   }
 #endif
   no_kernel("quantize", x2d);
@@ -135,13 +133,12 @@ at::Tensor row_offsets(int64_t d, const at::Tensor& bits) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform(
-    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic,
-    bool zero_exact) {
+    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
   TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d, got ", x2d.dim(), " dims");
   const int64_t n = x2d.size(0), d = x2d.size(1);
   auto layout = uniform_layout(n, d, bits, 0, x2d.device());
   return quantize(x2d, layout.first, layout.second, n * ((d * bits + 7) / 8), group_size, seed,
-                  stochastic, zero_exact);
+                  stochastic);
 }
 
 at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
@@ -195,24 +192,6 @@ at::Tensor masked_grad(const at::Tensor& grad, const at::Tensor& packed,
   no_kernel("masked_grad", grad);
 }
 
-at::Tensor masked_grad_codes(const at::Tensor& grad, const at::Tensor& data,
-                             const at::Tensor& step, const at::Tensor& bits,
-                             const at::Tensor& offsets, int64_t group_size) {
-  RECORD_USER_SCOPE("actnn_zoo::masked_grad_codes");
-  check_same_device(grad, "grad", {{&data, "data"}, {&step, "step"}, {&bits, "bits"},
-                                   {&offsets, "offsets"}});
-  if (grad.device().is_cpu()) {
-    return actnn_zoo::masked_grad_codes_cpu(grad, data, step, bits, offsets, group_size);
-  }
-#ifdef ACTNN_ZOO_CUDA
-  if (grad.is_cuda()) {
-    const c10::DeviceGuard guard(grad.device());
-    return actnn_zoo::masked_grad_codes_cuda(grad, data, step, bits, offsets, group_size);
-  }
-#endif
-  no_kernel("masked_grad_codes", grad);
-}
-
 at::Tensor range_statistic(const at::Tensor& x2d, int64_t group_size) {
   RECORD_USER_SCOPE("actnn_zoo::range_statistic");
   return actnn_zoo::range_statistic_cpu(x2d, group_size);
@@ -232,10 +211,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("quantize", &quantize, nogil, py::arg("x2d"), py::arg("bits"), py::arg("offsets"),
         py::arg("total"), py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
-        py::arg("zero_exact") = false,
         "(N, D) contiguous float32/float16/bfloat16 -> (packed uint8 data [total], lo bf16 "
-        "(N, G), step bf16 (N, G)); bits (N,) uint8, offsets (N + 1,) int64. zero_exact: "
-        "groups whose minimum is 0 get an exact zero code (step stored negative).");
+        "(N, G), step bf16 (N, G)); bits (N,) uint8, offsets (N + 1,) int64.");
   m.def("quantize_affine", &quantize_affine, nogil, py::arg("x2d"), py::arg("shift"),
         py::arg("scale"), py::arg("row_stride"), py::arg("block"), py::arg("bits"),
         py::arg("offsets"), py::arg("total"), py::arg("group_size"), py::arg("seed"),
@@ -251,7 +228,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "total: what reference.row_offsets computes.");
   m.def("quantize_uniform", &quantize_uniform, nogil, py::arg("x2d"), py::arg("bits"),
         py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
-        py::arg("zero_exact") = false,
         "quantize with one width (1, 2, 4 or 8) for every row, rows back to back (total = "
         "N * ceil(D * bits / 8) bytes); the widths and offsets are made here.");
   m.def("dequantize_uniform", &dequantize_uniform, nogil, py::arg("data"), py::arg("lo"),
@@ -268,10 +244,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused backward of a 1-bit mask: contiguous grad (float32/float64/float16/bfloat16) and "
         "its pack_mask bits -> contiguous grad_in; where the bit is set grad (on=None) or "
         "grad * on, elsewhere +0.0 (off=None) or grad * off, bit-identical to torch.where.");
-  m.def("masked_grad_codes", &masked_grad_codes, nogil, py::arg("grad"), py::arg("data"),
-        py::arg("step"), py::arg("bits"), py::arg("offsets"), py::arg("group_size"),
-        "ReLU's backward from zero-exact codes: contiguous (N, D) grad, +0.0 where a zero-exact "
-        "group's code is 0, grad elsewhere (bit for bit).");
   m.def("range_statistic", &range_statistic, nogil, py::arg("x2d"),
         py::arg("group_size"),
         "CPU only: (N,) float32, per row the sum over its groups of len * (max - min)^2; a group "

@@ -1,10 +1,10 @@
 // The codes of the quantization contract on the CPU, shared by the group quantizer
 // (quant_cpu.cpp), DIVISION (division_cpu.cpp) and sparse codes (sparse_cpu.cpp): clamp_code,
-// code_block, pack_block and group_meta, written so that
+// code_block and pack_block (group_meta is in bf16.h), written so that
 // gcc vectorises them (reference.quantize_codes gives the same numbers).
 #pragma once
 #include "kernels.h"
-#include "bf16_cpu.h"
+#include "half_cpu.h"
 
 #include <cmath>
 #include <cstring>
@@ -105,29 +105,6 @@ AZ_INLINE uint8_t gather8(const uint8_t* m) {
   v |= v >> 14;
   v |= v >> 28;
   return static_cast<uint8_t>(v);
-}
-
-struct GroupMeta {
-  uint16_t lo, step;  // bf16 bit patterns
-  bool bad;           // lo = step = NaN, codes 0
-};
-
-// reference.group_metadata for one group, from its fp32 min and max.
-inline GroupMeta group_meta(float mn, float mx, bool finite, float levels) {
-  if (!finite) return {kBf16NaN, kBf16NaN, true};
-  const uint16_t lo = bf16_round_down(mn);
-  const float lo_f = bf16_value(lo);
-  uint16_t step = bf16_round_up((mx - lo_f) / levels);
-  for (int k = 0; k < 2; ++k) {
-    const float span = levels * bf16_value(step);
-    const float top = lo_f + span;
-    if (top < mx) step = bf16_next_up(step);
-  }
-  // A positive denormal step is raised to 2^-126 (bf16 0x0080) so that 1 / step is finite.
-  const float step_f = bf16_value(step);
-  if (step_f > 0.0f && step_f < kMinStep) step = kMinStepBf16;
-  if (!std::isfinite(bf16_value(step))) return {kBf16NaN, kBf16NaN, true};
-  return {lo, step, false};
 }
 
 }  // namespace actnn_zoo

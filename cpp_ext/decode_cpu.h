@@ -4,7 +4,7 @@
 // run_fast (isa_cpu.h) gets these loops compiled for its instruction set.
 #pragma once
 #include "codes_cpu.h"
-#include "bf16_cpu.h"
+#include "half_cpu.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -139,62 +139,10 @@ void dequantize_group(const uint8_t* in, int64_t len, float lo, float step, TO* 
   }
 }
 
-// A zero-exact group (reference.dequantize): code 0 -> 0, code q -> (q - 1) * step + lo.
-// The n <= 16 codes of a group starting at value e, as floats (exactly), into q[16].
-template <int B>
-AZ_INLINE void codes16(const uint8_t* in, int64_t e, int n, float* __restrict q) {
-  if (n == 16) {
-    dequantize_unit<B>(in + e * B / 8, 0.0f, 1.0f, q);
-  } else {
-    alignas(16) uint8_t packed[16] = {0};
-    std::memcpy(packed, in + e * B / 8, static_cast<size_t>(row_bytes(n, B)));
-    dequantize_unit<B>(packed, 0.0f, 1.0f, q);
-  }
-}
-
-// Code 0 selects +0.0 on bits (a select between two float results is not if-converted under
-// -ftrapping-math, and the loop then ran scalar and branchy: 20-40x plain dequantize's time), and
-// whole units of float32 go straight to the output (store_block of a runtime length is a
-// library memcpy per 16 values).
-template <int B, typename TO>
-void dequantize_group_zero(const uint8_t* in, int64_t len, float lo, float step, TO* out) {
-  alignas(64) float q[16];
-  alignas(64) float v[16];
-  for (int64_t e = 0; e < len; e += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, len - e));
-    codes16<B>(in, e, n, q);
-    float* __restrict dst = v;
-    if constexpr (std::is_same<TO, float>::value) {
-      if (n == 16) dst = out + e;
-    }
-#pragma omp simd
-    for (int k = 0; k < 16; ++k) {
-      const float s = (q[k] - 1.0f) * step;
-      const uint32_t keep = 0u - static_cast<uint32_t>(q[k] != 0.0f);
-      dst[k] = bits_float(float_bits(s + lo) & keep);
-    }
-    if (dst == v) store_block(v, n, out + e);
-  }
-}
-
-// Zero-exact groups carry their step with the sign bit set (NaN never does).
-inline bool is_zero_group(uint16_t step_bits) {
-  return (step_bits & 0x8000u) != 0 && (step_bits & 0x7FFFu) <= 0x7F80u;
-}
-
+// One group of codes at width b (1, 2, 4 or 8) -> lo + q * step in TO; step as its bf16 bits.
 template <typename TO>
 void dequantize_group_any(int b, const uint8_t* in, int64_t len, float lo, uint16_t step_bits,
                           TO* out) {
-  if (is_zero_group(step_bits)) {
-    const float s = bf16_value(static_cast<uint16_t>(step_bits & 0x7FFFu));
-    switch (b) {
-      case 1: dequantize_group_zero<1, TO>(in, len, lo, s, out); break;
-      case 2: dequantize_group_zero<2, TO>(in, len, lo, s, out); break;
-      case 4: dequantize_group_zero<4, TO>(in, len, lo, s, out); break;
-      default: dequantize_group_zero<8, TO>(in, len, lo, s, out); break;
-    }
-    return;
-  }
   const float step = bf16_value(step_bits);
   switch (b) {
     case 1: dequantize_group<1, TO>(in, len, lo, step, out); break;

@@ -10,7 +10,7 @@
 // Parallel over (sample, 8 consecutive maps): 8 maps of any size at any width in {1, 2, 4, 8}
 // end on a byte boundary, so no two tasks write the same byte.
 #include "kernels.h"
-#include "bf16_cpu.h"
+#include "bf16.h"
 #include "codes_cpu.h"
 #include "isa_cpu.h"
 
@@ -138,27 +138,11 @@ inline void pack_map(const int32_t* q, int64_t s, int b, int64_t bit0, uint8_t* 
   }
 }
 
-// division_reference.map_metadata for one map.
+// division_reference.map_metadata for one map: lo is the float32 minimum itself (no bf16
+// rounding), the step covers [lo, mx] (covering_step, bf16.h).
 inline void map_meta(bool finite, float mn, float mx, float levels, float& lo, uint16_t& step) {
-  if (!finite) {
-    lo = std::numeric_limits<float>::quiet_NaN();
-    step = kBf16NaN;
-    return;
-  }
-  lo = mn;
-  uint16_t s = bf16_round_up((mx - lo) / levels);
-  for (int k = 0; k < 2; ++k) {
-    const float span = levels * bf16_value(s);
-    const float top = lo + span;
-    if (top < mx) s = bf16_next_up(s);
-  }
-  const float sf = bf16_value(s);
-  if (sf > 0.0f && sf < kMinStep) s = kMinStepBf16;
-  if (!std::isfinite(bf16_value(s))) {
-    lo = std::numeric_limits<float>::quiet_NaN();
-    s = kBf16NaN;
-  }
-  step = s;
+  step = finite ? covering_step(mn, mx, levels) : kBf16NaN;
+  lo = step == kBf16NaN ? std::numeric_limits<float>::quiet_NaN() : mn;
 }
 
 template <typename T>

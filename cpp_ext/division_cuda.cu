@@ -29,24 +29,7 @@ namespace actnn_zoo {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr uint16_t kBf16NaN = 0x7FC0;
-
-__device__ __forceinline__ float bf16_value(uint16_t b) {
-  return __uint_as_float(static_cast<uint32_t>(b) << 16);
-}
-__device__ __forceinline__ uint16_t bf16_round_up(float v) {
-  const uint32_t u = __float_as_uint(v);
-  const uint16_t hi = static_cast<uint16_t>(u >> 16);
-  return ((u & 0xFFFFu) != 0 && (u >> 31) == 0) ? static_cast<uint16_t>(hi + 1) : hi;
-}
-__device__ __forceinline__ uint16_t bf16_next_up(uint16_t b) {
-  return (b & 0x8000u) ? static_cast<uint16_t>(b - 1) : static_cast<uint16_t>(b + 1);
-}
-__device__ __forceinline__ uint16_t bf16_from_float(float v) {
-  const uint32_t u = __float_as_uint(v);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (v != v) ? kBf16NaN : static_cast<uint16_t>(r);
-}
+// bf16 rounding and the metadata rule (covering_step) come from bf16.h, shared with the CPU.
 __device__ __forceinline__ bool valid_width(int b) { return b == 1 || b == 2 || b == 4 || b == 8; }
 
 struct Geo {
@@ -119,22 +102,8 @@ __global__ void division_quantize_kernel(const T* __restrict__ x, Geo g,
   __shared__ uint16_t s_step;
   if (threadIdx.x == 0) {
     const float levels = static_cast<float>((1 << (valid_width(b) ? b : 1)) - 1);
-    float lo = __int_as_float(0x7fc00000);
-    uint16_t st = kBf16NaN;
-    if (s_fin[0]) {
-      lo = s_min[0];
-      const float top = s_max[0];
-      st = bf16_round_up(__fdiv_rn(__fsub_rn(top, lo), levels));
-      for (int k = 0; k < 2; ++k) {
-        if (__fadd_rn(lo, __fmul_rn(levels, bf16_value(st))) < top) st = bf16_next_up(st);
-      }
-      const float sf = bf16_value(st);
-      if (sf > 0.0f && sf < 1.17549435e-38f) st = 0x0080;
-      if (!isfinite(bf16_value(st))) {
-        lo = __int_as_float(0x7fc00000);
-        st = kBf16NaN;
-      }
-    }
+    const uint16_t st = s_fin[0] ? covering_step(s_min[0], s_max[0], levels) : kBf16NaN;
+    const float lo = st == kBf16NaN ? __int_as_float(0x7fc00000) : s_min[0];
     lo_out[map] = lo;
     step_out[map] = st;
     s_lo = lo;

@@ -2,6 +2,7 @@
 // the same name in actnn_zoo/quant/reference.py and must give bit-identical results.
 #pragma once
 #include <torch/extension.h>
+#include "bf16.h"  // AZ_HD (host + device inline)
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -12,11 +13,6 @@ namespace actnn_zoo {
 //   key = fmix32(seed + 0x9E3779B9)                       (once per call)
 //   h   = fmix32(lo32(i) ^ key ^ (hi32(i) * 0x85EBCA6B))
 //   u   = (h >> 8) * 2^-24
-#if defined(__CUDACC__)
-#define AZ_HD __host__ __device__ __forceinline__
-#else
-#define AZ_HD inline
-#endif
 AZ_HD uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
@@ -37,19 +33,16 @@ AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
 // A positive step below 2^-126 (denormal) is raised to 2^-126 after the two corrections, so that
 // 1 / step stays finite (see reference.group_metadata).
 // Returns (data uint8 [total], lo bf16 (N, G), step bf16 (N, G)), G = ceil(D / group_size).
-// zero_exact: rows of >= 2 bits code each group whose minimum is 0 with an exact zero code
-// (reference.zero_exact_codes; its step is stored with the sign bit set).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact);
+    int64_t group_size, int64_t seed, bool stochastic);
 // quantize_cpu of (x - shift[i]) * scale[i] (float32, two roundings), i = n * row_stride +
 // p / block at position p of row n, without making that tensor: a norm's normalized input.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
     const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
     int64_t block, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t group_size, int64_t seed, bool stochastic);
-// Writes q * step + lo (float32 arithmetic) into out (N, D), contiguous, any float dtype; in a
-// zero-exact group 0 for code 0 and (q - 1) * |step| + lo otherwise.
+// Writes q * step + lo (float32 arithmetic) into out (N, D), contiguous, any float dtype.
 at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                           const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                           at::Tensor& out);
@@ -67,19 +60,28 @@ at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel);
 // bit-identical to torch.where(mask, grad, 0 / grad * off) and grad * noise. Contiguous result.
 at::Tensor masked_grad_cpu(const at::Tensor& grad, const at::Tensor& packed,
                            std::optional<double> on, std::optional<double> off);
-// ReLU's backward from zero-exact codes (reference.masked_grad_codes): grad (N, D) contiguous
-// float32/float64/float16/bfloat16; where a zero-exact (or NaN-step) group's code is 0 the
-// result is +0.0, elsewhere grad, copied bit for bit.
-at::Tensor masked_grad_codes_cpu(const at::Tensor& grad, const at::Tensor& data,
-                                 const at::Tensor& step, const at::Tensor& bits,
-                                 const at::Tensor& offsets, int64_t group_size);
 at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size);
 at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra);
+// The sampled rounding variances of softmax's and the norms' unbiased backward
+// (variance_cpu.cpp; torch twin in actnn_zoo/functional/_rounding_variance.py): the 1-bit codes
+// (data, lo (1, G), step (1, G)) of the variances at flat indices offset + k * stride, and the
+// in-place correction of an input gradient from them; (offset, seed) from torch's CPU generator.
+std::tuple<int64_t, int64_t> draw_sample_cpu(int64_t stride);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rounding_variance_codes_cpu(
+    const at::Tensor& lo, const at::Tensor& step, const std::optional<at::Tensor>& row_bits,
+    int64_t bits, int64_t group_size, const at::Tensor& src,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& scale,
+    int64_t stat_block, int64_t stat_period, int64_t offset, int64_t stride, int64_t seed);
+at::Tensor rounding_variance_correct_cpu(
+    at::Tensor grad_in, const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo,
+    const at::Tensor& step, int64_t offset, int64_t stride, const std::optional<at::Tensor>& scale,
+    int64_t stat_block, int64_t stat_period, const std::optional<at::Tensor>& weight,
+    int64_t weight_block, int64_t weight_period, double divisor);
 
 #ifdef ACTNN_ZOO_CUDA
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact);
+    int64_t group_size, int64_t seed, bool stochastic);
 at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                            const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                            at::Tensor& out);
@@ -87,9 +89,6 @@ at::Tensor pack_mask_cuda(const at::Tensor& mask);
 at::Tensor unpack_mask_cuda(const at::Tensor& packed, int64_t numel);
 at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
                             std::optional<double> on, std::optional<double> off);
-at::Tensor masked_grad_codes_cuda(const at::Tensor& grad, const at::Tensor& data,
-                                  const at::Tensor& step, const at::Tensor& bits,
-                                  const at::Tensor& offsets, int64_t group_size);
 #endif
 
 }  // namespace actnn_zoo

@@ -10,7 +10,7 @@
 // -O3 -march=native (check with -fopt-info-vec). -ffp-contract=off keeps every fp32 operation
 // separately rounded, as in the reference.
 #include "kernels.h"
-#include "bf16_cpu.h"
+#include "half_cpu.h"
 #include "codes_cpu.h"
 #include "decode_cpu.h"
 #include "isa_cpu.h"
@@ -134,67 +134,33 @@ AZ_INLINE const float* group_block(const T* x, const Affine& a, int64_t pos, int
   }
 }
 
-// The smallest positive value of n floats (INFINITY when none; NaN is never selected).
-AZ_INLINE float positive_min(const float* __restrict v, int n, float pm) {
-#pragma omp simd reduction(min : pm)
-  for (int k = 0; k < n; ++k) {
-    const float a = v[k] > 0.0f ? v[k] : INFINITY;
-    pm = a < pm ? a : pm;
-  }
-  return pm;
-}
-
 // One group of len values (len > 0) at element index i0; writes ceil(len * B / 8) bytes.
-// `zero`: a group whose minimum is 0 gets the zero-exact levels of
-// reference.zero_exact_codes (step stored with its sign bit set), a bad group codes x != 0.
 template <typename T, int B, bool kStochastic, bool kAffine>
 void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
-                    uint16_t* lo_out, uint16_t* step_out, bool zero, const Affine& a,
-                    int64_t pos) {
+                    uint16_t* lo_out, uint16_t* step_out, const Affine& a, int64_t pos) {
   alignas(64) float buf[kBlock];
-  const bool zmode = zero && B >= 2;
-  // Pass 1: the range (and the smallest positive value for zero-exact groups). A group of one
-  // block keeps it loaded (converted, mapped) for pass 2.
+  // Pass 1: the range. A group of one block keeps it loaded (converted, mapped) for pass 2.
   const float* loaded = nullptr;
   Range r;
-  float pmin = INFINITY;
   for (int64_t e = 0; e < len; e += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
     const int n16 = (n + 15) & ~15;
     const float* v = group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
     if (len <= kBlock) loaded = v;
     range_update(v, n16, r);
-    if (zmode) pmin = positive_min(v, n16, pmin);
   }
   constexpr float kLevels = static_cast<float>((1 << B) - 1);
-  GroupMeta meta = group_meta(r.mn, r.mx, r.bad == 0.0f, kLevels);
-  float levels = kLevels;
-  const bool zg = zmode && !meta.bad && r.mn == 0.0f;
-  if (zg) {
-    levels = kLevels - 1.0f;
-    meta = group_meta(r.mx > 0.0f ? pmin : 0.0f, r.mx, true, levels);
-  }
+  const GroupMeta meta = group_meta(r.mn, r.mx, r.bad == 0.0f, kLevels);
   *lo_out = meta.lo;
-  *step_out = (zg && !meta.bad) ? static_cast<uint16_t>(meta.step | 0x8000u) : meta.step;
-  alignas(64) int32_t codes32[kBlock];
-  alignas(64) uint8_t codes[kBlock + 8];
+  *step_out = meta.step;
   if (meta.bad) {
-    if (!zmode) {
-      std::memset(out, 0, static_cast<size_t>(row_bytes(len, B)));
-      return;
-    }
-    for (int64_t e = 0; e < len; e += kBlock) {  // zero-exact: code 0 exactly at zeros
-      const int n = static_cast<int>(std::min<int64_t>(kBlock, len - e));
-      const int n16 = (n + 15) & ~15;
-      const float* v = group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
-      for (int k = 0; k < n16; ++k) codes[k] = v[k] != 0.0f ? 1 : 0;
-      std::memset(codes + n, 0, 8);
-      pack_block<B>(codes, (n * B + 7) / 8, out + e * B / 8);
-    }
+    std::memset(out, 0, static_cast<size_t>(row_bytes(len, B)));
     return;
   }
 
   // Pass 2 (the group is in cache now): codes from the stored bf16 values, block by block.
+  alignas(64) int32_t codes32[kBlock];
+  alignas(64) uint8_t codes[kBlock + 8];
   const float lo = bf16_value(meta.lo);
   const float step = bf16_value(meta.step);
   const float inv = step > 0.0f ? 1.0f / step : 0.0f;
@@ -203,16 +169,10 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
     const int n16 = (n + 15) & ~15;
     const float* v = loaded != nullptr ? loaded
                                        : group_block<T, kAffine>(x + e, a, pos + e, n, n16, buf);
-    code_block<kStochastic>(v, n16, lo, inv, levels, i0 + static_cast<uint64_t>(e), key,
+    code_block<kStochastic>(v, n16, lo, inv, kLevels, i0 + static_cast<uint64_t>(e), key,
                             codes32);
-    if (zg) {
 #pragma omp simd
-      for (int k = 0; k < n16; ++k)
-        codes[k] = v[k] == 0.0f ? 0 : static_cast<uint8_t>(codes32[k] + 1);
-    } else {
-#pragma omp simd
-      for (int k = 0; k < n16; ++k) codes[k] = static_cast<uint8_t>(codes32[k]);
-    }
+    for (int k = 0; k < n16; ++k) codes[k] = static_cast<uint8_t>(codes32[k]);
     // A row's last group may end inside a byte: its unused high bits are 0.
     std::memset(codes + n, 0, 8);
     pack_block<B>(codes, (n * B + 7) / 8, out + e * B / 8);
@@ -221,12 +181,12 @@ void quantize_group(const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t*
 
 template <typename T, bool kStochastic, bool kAffine>
 void quantize_group_any(int b, const T* x, int64_t len, uint64_t i0, uint32_t key, uint8_t* out,
-                        uint16_t* lo, uint16_t* step, bool zero, const Affine& a, int64_t pos) {
+                        uint16_t* lo, uint16_t* step, const Affine& a, int64_t pos) {
   switch (b) {
-    case 1: quantize_group<T, 1, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
-    case 2: quantize_group<T, 2, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
-    case 4: quantize_group<T, 4, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
-    default: quantize_group<T, 8, kStochastic, kAffine>(x, len, i0, key, out, lo, step, zero, a, pos); break;
+    case 1: quantize_group<T, 1, kStochastic, kAffine>(x, len, i0, key, out, lo, step, a, pos); break;
+    case 2: quantize_group<T, 2, kStochastic, kAffine>(x, len, i0, key, out, lo, step, a, pos); break;
+    case 4: quantize_group<T, 4, kStochastic, kAffine>(x, len, i0, key, out, lo, step, a, pos); break;
+    default: quantize_group<T, 8, kStochastic, kAffine>(x, len, i0, key, out, lo, step, a, pos); break;
   }
 }
 
@@ -238,7 +198,7 @@ inline int64_t group_grain(int64_t group_size) {
 template <typename T, bool kStochastic, bool kAffine>
 void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, const uint8_t* bits,
                    const int64_t* offsets, uint32_t key, uint8_t* data, uint16_t* lo,
-                   uint16_t* step, bool zero, const Affine& a) {
+                   uint16_t* step, const Affine& a) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   parallel_tasks(n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
     for (int64_t id = begin; id < end; ++id) {
@@ -254,7 +214,7 @@ void quantize_impl(const T* x, int64_t n_rows, int64_t d, int64_t group_size, co
       }
       quantize_group_any<T, kStochastic, kAffine>(
           b, x + n * d + start, len, static_cast<uint64_t>(n * d + start), key,
-          data + offsets[n] + start * b / 8, lo + id, step + id, zero, row, start);
+          data + offsets[n] + start * b / 8, lo + id, step + id, row, start);
     }
   });
 }
@@ -344,7 +304,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact, const Affine& affine) {
+    int64_t group_size, int64_t seed, bool stochastic, const Affine& affine) {
   check_cpu(x2d, "x2d");
   TORCH_CHECK(is_float_type(x2d.scalar_type()),
               "x2d must be float32, float16 or bfloat16, got ", x2d.scalar_type());
@@ -383,16 +343,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
     const bool mapped = affine.shift != nullptr;
     if (stochastic && mapped) {
       quantize_impl<T, true, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
-                                   zero_exact, affine);
+                                   affine);
     } else if (stochastic) {
       quantize_impl<T, true, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
-                                    zero_exact, affine);
+                                    affine);
     } else if (mapped) {
       quantize_impl<T, false, true>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
-                                    zero_exact, affine);
+                                    affine);
     } else {
       quantize_impl<T, false, false>(x, n_rows, d, group_size, b, off, key, out, lo_p, step_p,
-                                     zero_exact, affine);
+                                     affine);
     }
   };
   switch (x2d.scalar_type()) {
@@ -407,9 +367,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact) {
-  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, zero_exact,
-                           Affine{});
+    int64_t group_size, int64_t seed, bool stochastic) {
+  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, Affine{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
@@ -428,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
                       "shift and scale must be contiguous 1-d float32 CPU tensors of at least ",
                       need, " values (row_stride ", row_stride, ", block ", block, ")");
   }
-  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, false,
+  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic,
                            Affine{shift.data_ptr<float>(), scale.data_ptr<float>(), row_stride,
                                   block});
 }
@@ -720,81 +679,6 @@ at::Tensor masked_grad_cpu(const at::Tensor& grad, const at::Tensor& packed,
                                                  static_cast<float>(off_v),
                                                  out.data_ptr<c10::BFloat16>());
       break;
-  }
-  return out;
-}
-
-namespace {
-// Elements are copied as bit patterns of their size: a kept gradient exactly, a dropped one as
-// +0.0 (all bits clear in every float format).
-template <int B, typename W>
-void codes_select_group(const uint8_t* in, int64_t len, const W* g, W* out) {
-  alignas(64) float q[16];
-  for (int64_t e = 0; e < len; e += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, len - e));
-    codes16<B>(in, e, n, q);
-    for (int k = 0; k < n; ++k) out[e + k] = q[k] != 0.0f ? g[e + k] : W{0};
-  }
-}
-}  // namespace
-
-at::Tensor masked_grad_codes_cpu(const at::Tensor& grad, const at::Tensor& data,
-                                 const at::Tensor& step, const at::Tensor& bits,
-                                 const at::Tensor& offsets, int64_t group_size) {
-  check_cpu(grad, "grad");
-  check_cpu(data, "data");
-  check_cpu(step, "step");
-  const at::ScalarType t = grad.scalar_type();
-  TORCH_CHECK(is_float_type(t) || t == at::kDouble,
-              "grad must be float32, float64, float16 or bfloat16, got ", t);
-  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (N, D) tensor");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
-              "data must be a contiguous 1-d uint8 tensor");
-  check_group_size(group_size);
-  const int64_t n_rows = grad.size(0), d = grad.size(1);
-  const int64_t g_per_row = (d + group_size - 1) / group_size;
-  TORCH_CHECK(step.scalar_type() == at::kBFloat16 && step.dim() == 2 && step.size(0) == n_rows &&
-              step.size(1) == g_per_row && step.is_contiguous(),
-              "step must be a contiguous bfloat16 (", n_rows, ", ", g_per_row, ") tensor, got ",
-              step.scalar_type(), " ", step.sizes());
-  check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
-  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
-  if (n_rows == 0 || d == 0) return out;
-  advise_huge_pages(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
-  const uint8_t* in = data.data_ptr<uint8_t>();
-  const uint16_t* st = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
-  const uint8_t* bw = bits.data_ptr<uint8_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  auto run = [&](auto tag) {
-    using W = decltype(tag);
-    const W* g = static_cast<const W*>(grad.data_ptr());
-    W* o = static_cast<W*>(out.data_ptr());
-    parallel_tasks(n_rows * g_per_row, group_grain(group_size), [&](int64_t begin, int64_t end) {
-      for (int64_t id = begin; id < end; ++id) {
-        const int64_t n = id / g_per_row;
-        const int64_t start = (id - n * g_per_row) * group_size;
-        const int64_t len = std::min(group_size, d - start);
-        const W* gs = g + n * d + start;
-        W* os = o + n * d + start;
-        const uint16_t sb = st[id];
-        if (!(is_zero_group(sb) || (sb & 0x7FFFu) > 0x7F80u)) {  // plain group: no zeros
-          std::memcpy(os, gs, static_cast<size_t>(len) * sizeof(W));
-          continue;
-        }
-        const uint8_t* src = in + off[n] + start * bw[n] / 8;
-        switch (bw[n]) {
-          case 1: codes_select_group<1, W>(src, len, gs, os); break;
-          case 2: codes_select_group<2, W>(src, len, gs, os); break;
-          case 4: codes_select_group<4, W>(src, len, gs, os); break;
-          default: codes_select_group<8, W>(src, len, gs, os); break;
-        }
-      }
-    });
-  };
-  switch (grad.element_size()) {
-    case 2: run(uint16_t{}); break;
-    case 4: run(uint32_t{}); break;
-    default: run(uint64_t{}); break;
   }
   return out;
 }

@@ -58,41 +58,14 @@ constexpr int kThreads = 256;               // threads per block, all kernels
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kMaxCachedOctets = 4;         // octets per lane held in registers
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr uint16_t kBf16NaN = 0x7FC0;       // torch's NaN in bfloat16 (the reference's bits)
-
 // ------------------------------------------------------------------------------------------------
-// fp32 / bf16 helpers (bit level, identical to c10's CPU round_to_nearest_even)
+// fp32 helpers (bf16 rounding and the group metadata are in bf16.h, shared with the CPU kernels)
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ bool is_finite_f32(float v) {
   return (__float_as_uint(v) & 0x7F800000u) != 0x7F800000u;
 }
 __device__ __forceinline__ bool is_nan_f32(float v) {
   return (__float_as_uint(v) & 0x7FFFFFFFu) > 0x7F800000u;
-}
-__device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
-
-// Round to nearest even, NaN -> 0x7FC0 (what c10::BFloat16(float) does on the CPU).
-__device__ __forceinline__ uint16_t f32_to_bf16_rne(float v) {
-  if (is_nan_f32(v)) return kBf16NaN;
-  uint32_t u = __float_as_uint(v);
-  u += 0x7FFFu + ((u >> 16) & 1u);  // no 32-bit overflow: max non-NaN pattern is 0xFF800000
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// reference._bf16_step: one ulp toward +inf (up) or -inf (down) through the int16 pattern.
-__device__ __forceinline__ uint16_t bf16_step(uint16_t b, bool up) {
-  const bool negative = (b & 0x8000u) != 0;
-  return static_cast<uint16_t>(b + ((up != negative) ? 1u : 0xFFFFu));
-}
-__device__ __forceinline__ uint16_t round_down_bf16(float v) {
-  uint16_t b = f32_to_bf16_rne(v);
-  if (bf16_to_f32(b) > v) b = bf16_step(b, false);
-  return b;
-}
-__device__ __forceinline__ uint16_t round_up_bf16(float v) {
-  uint16_t b = f32_to_bf16_rne(v);
-  if (bf16_to_f32(b) < v) b = bf16_step(b, true);
-  return b;
 }
 
 __device__ __forceinline__ bool valid_width(int b) { return b == 1 || b == 2 || b == 4 || b == 8; }
@@ -135,7 +108,7 @@ struct Ld<c10::Half> {
 template <>
 struct Ld<c10::BFloat16> {
   static __device__ __forceinline__ float one(const c10::BFloat16* p) {
-    return bf16_to_f32(__ldg(reinterpret_cast<const unsigned short*>(p)));
+    return bf16_value(__ldg(reinterpret_cast<const unsigned short*>(p)));
   }
   static __device__ __forceinline__ void eight(const c10::BFloat16* p, float v[8]) {
     const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
@@ -166,7 +139,6 @@ __device__ __forceinline__ void load_octet(const T* __restrict__ x, int64_t e, i
 struct Range {
   float mn, mx;
   bool nonfinite;
-  float pmin;  // smallest positive value (zero-exact groups), +Inf when none
 };
 
 // min/max that order -0.0 below +0.0, so that they are commutative and the result does not depend
@@ -187,7 +159,6 @@ __device__ __forceinline__ void range_add(Range& r, const float v[8], int c) {
       r.nonfinite |= !is_finite_f32(v[j]);
       r.mn = min_ordered(v[j], r.mn);
       r.mx = max_ordered(v[j], r.mx);
-      r.pmin = v[j] > 0.0f ? fminf(v[j], r.pmin) : r.pmin;
     }
   }
 }
@@ -198,7 +169,6 @@ __device__ __forceinline__ void range_reduce(Range& r, int lpg) {
     r.mn = min_ordered(__shfl_xor_sync(kFullMask, r.mn, off), r.mn);
     r.mx = max_ordered(__shfl_xor_sync(kFullMask, r.mx, off), r.mx);
     r.nonfinite |= (__shfl_xor_sync(kFullMask, static_cast<int>(r.nonfinite), off) != 0);
-    r.pmin = fminf(__shfl_xor_sync(kFullMask, r.pmin, off), r.pmin);
   }
 }
 
@@ -207,27 +177,15 @@ struct Meta {
   uint16_t lo_bits, step_bits;
 };
 
-__device__ __forceinline__ Meta group_meta(const Range& r, float lv) {
+// group_meta (bf16.h) with the float values the codes use.
+__device__ __forceinline__ Meta group_meta_of(const Range& r, float lv) {
+  const GroupMeta g = group_meta(r.mn, r.mx, !r.nonfinite, lv);
   Meta m;
   m.lv = lv;
-  uint16_t lo_b = kBf16NaN, st_b = kBf16NaN;
-  if (!r.nonfinite) {
-    lo_b = round_down_bf16(r.mn);
-    const float lo_f = bf16_to_f32(lo_b);
-    st_b = round_up_bf16(__fdiv_rn(__fsub_rn(r.mx, lo_f), lv));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (__fadd_rn(lo_f, __fmul_rn(lv, bf16_to_f32(st_b))) < r.mx) st_b = bf16_step(st_b, true);
-    }
-    // A positive step below 2^-126 (a bf16 denormal) is raised to 2^-126 so that 1 / step is finite.
-    const float st_f = bf16_to_f32(st_b);
-    if (st_f > 0.0f && st_f < 0x1p-126f) st_b = 0x0080;
-    if (!is_finite_f32(bf16_to_f32(st_b))) lo_b = st_b = kBf16NaN;
-  }
-  m.lo_bits = lo_b;
-  m.step_bits = st_b;
-  m.lo = bf16_to_f32(lo_b);
-  m.step = bf16_to_f32(st_b);
+  m.lo_bits = g.lo;
+  m.step_bits = g.step;
+  m.lo = bf16_value(g.lo);
+  m.step = bf16_value(g.step);
   m.inv = (m.step > 0.0f) ? __fdiv_rn(1.0f, m.step) : 0.0f;  // NaN > 0 is false
   return m;
 }
@@ -241,26 +199,15 @@ __device__ __forceinline__ uint32_t code_of(float x, const Meta& m, float u) {
   return static_cast<uint32_t>(q);
 }
 
-// How a group is coded: plain; zero-exact (reference.zero_exact_codes: 0 at zeros, else
-// 1 + the code among the positive levels); bad under zero_exact (x != 0).
-enum CodeMode { kPlain = 0, kZeroGroup = 1, kZeroBad = 2 };
-
 // Codes of one octet (c values) packed LSB-first into the low 8*b bits of a word.
 __device__ __forceinline__ uint64_t pack_octet(const float v[8], int c, const Meta& m, int b,
-                                               int64_t index0, uint32_t key, bool stochastic,
-                                               int mode) {
+                                               int64_t index0, uint32_t key, bool stochastic) {
   uint64_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j < c) {
-      uint32_t q;
-      if (mode == kZeroBad) {
-        q = v[j] != 0.0f ? 1u : 0u;
-      } else {
-        const float u = stochastic ? uniform_from_index(static_cast<uint64_t>(index0 + j), key) : 0.5f;
-        q = code_of(v[j], m, u);
-        if (mode == kZeroGroup) q = v[j] == 0.0f ? 0u : q + 1u;
-      }
+      const float u = stochastic ? uniform_from_index(static_cast<uint64_t>(index0 + j), key) : 0.5f;
+      const uint32_t q = code_of(v[j], m, u);
       word |= static_cast<uint64_t>(q) << (j * b);
     }
   }
@@ -302,7 +249,6 @@ struct QuantArgs {
   uint32_t key;
   int lpg_log2;            // lanes per group = 1 << lpg_log2, in [0, 5]
   bool stochastic;
-  bool zero;               // zero_exact (rows of >= 2 bits)
   bool vec;                // rows start 16-byte aligned and D % 8 == 0: vector loads
 };
 
@@ -333,8 +279,7 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
     }
     const int64_t first = n * a.D + g * a.group_size;  // flat index of the group's first value
 
-    Range r{__uint_as_float(0x7F800000u), __uint_as_float(0xFF800000u), false,
-            __uint_as_float(0x7F800000u)};
+    Range r{__uint_as_float(0x7F800000u), __uint_as_float(0xFF800000u), false};
     float v[NOCT > 0 ? NOCT : 1][8];
     if constexpr (NOCT > 0) {
 #pragma unroll
@@ -355,23 +300,10 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
     if (!active) continue;  // only in a warp's last iteration; no shuffle follows
 
     const float lv = static_cast<float>((1u << min(b, 31)) - 1u);
-    Meta m = group_meta(r, lv);
-    int mode = kPlain;
-    uint16_t step_bits = m.step_bits;
-    if (a.zero && b >= 2 && valid_width(b)) {
-      if (m.step_bits == kBf16NaN) {
-        mode = kZeroBad;
-      } else if (r.mn == 0.0f) {
-        const Range rz{r.mx > 0.0f ? r.pmin : 0.0f, r.mx, false, 0.0f};
-        m = group_meta(rz, lv - 1.0f);
-        mode = m.step_bits == kBf16NaN ? kZeroBad : kZeroGroup;
-        step_bits = m.step_bits == kBf16NaN ? kBf16NaN
-                                            : static_cast<uint16_t>(m.step_bits | 0x8000u);
-      }
-    }
+    const Meta m = group_meta_of(r, lv);
     if (sl == 0) {
       a.lo[p] = m.lo_bits;
-      a.step[p] = step_bits;
+      a.step[p] = m.step_bits;
     }
     if (valid_width(b)) {  // the reference packs nothing for a row of another width
       // Byte of value (g * group_size + e) of row n: offsets[n] + (g * group_size + e) / 8 * b.
@@ -382,7 +314,7 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
           const int64_t e = 8 * (static_cast<int64_t>(sl) + static_cast<int64_t>(k) * lpg);
           if (e < glen) {
             const int c = static_cast<int>(min(static_cast<int64_t>(8), glen - e));
-            const uint64_t word = pack_octet(v[k], c, m, b, first + e, a.key, a.stochastic, mode);
+            const uint64_t word = pack_octet(v[k], c, m, b, first + e, a.key, a.stochastic);
             store_bytes(a.data, a.total, group_byte + (e >> 3) * b, word, (c * b + 7) >> 3, b);
           }
         }
@@ -390,7 +322,7 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
         for (int64_t e = 8 * static_cast<int64_t>(sl); e < glen; e += 8 * static_cast<int64_t>(lpg)) {
           const int c = static_cast<int>(min(static_cast<int64_t>(8), glen - e));
           load_octet(x, first + e, c, a.vec, v[0]);
-          const uint64_t word = pack_octet(v[0], c, m, b, first + e, a.key, a.stochastic, mode);
+          const uint64_t word = pack_octet(v[0], c, m, b, first + e, a.key, a.stochastic);
           store_bytes(a.data, a.total, group_byte + (e >> 3) * b, word, (c * b + 7) >> 3, b);
         }
       }
@@ -424,7 +356,7 @@ __device__ __forceinline__ void put(c10::Half* p, float v) {
   *reinterpret_cast<uint16_t*>(p) = f32_to_half_bits(v);
 }
 __device__ __forceinline__ void put(c10::BFloat16* p, float v) {
-  *reinterpret_cast<uint16_t*>(p) = f32_to_bf16_rne(v);
+  *reinterpret_cast<uint16_t*>(p) = bf16_from_float(v);
 }
 
 template <typename T>
@@ -463,18 +395,13 @@ template <>
 struct St<c10::BFloat16> {
   static __device__ __forceinline__ void eight(c10::BFloat16* p, const float r[8]) {
     uint4 w;
-    w.x = f32_to_bf16_rne(r[0]) | (uint32_t(f32_to_bf16_rne(r[1])) << 16);
-    w.y = f32_to_bf16_rne(r[2]) | (uint32_t(f32_to_bf16_rne(r[3])) << 16);
-    w.z = f32_to_bf16_rne(r[4]) | (uint32_t(f32_to_bf16_rne(r[5])) << 16);
-    w.w = f32_to_bf16_rne(r[6]) | (uint32_t(f32_to_bf16_rne(r[7])) << 16);
+    w.x = bf16_from_float(r[0]) | (uint32_t(bf16_from_float(r[1])) << 16);
+    w.y = bf16_from_float(r[2]) | (uint32_t(bf16_from_float(r[3])) << 16);
+    w.z = bf16_from_float(r[4]) | (uint32_t(bf16_from_float(r[5])) << 16);
+    w.w = bf16_from_float(r[6]) | (uint32_t(bf16_from_float(r[7])) << 16);
     *reinterpret_cast<uint4*>(p) = w;
   }
 };
-
-// Zero-exact groups carry their step with the sign bit set (NaN never does).
-__device__ __forceinline__ bool is_zero_group(uint16_t st) {
-  return (st & 0x8000u) != 0 && (st & 0x7FFFu) <= 0x7F80u;
-}
 
 struct DequantArgs {
   const uint8_t* data;
@@ -520,10 +447,8 @@ dequantize_kernel(const DequantArgs a, T* __restrict__ out) {
     const int64_t e = 8 * (t - n * a.octets_per_row);  // first value of the octet in row n
     const int c = static_cast<int>(min(static_cast<int64_t>(8), a.D - e));
     const int64_t gi = n * a.G + e / a.group_size;      // an octet never straddles two groups
-    const float lo = bf16_to_f32(a.lo[gi]);
-    const uint16_t st_bits = a.step[gi];
-    const bool zero = is_zero_group(st_bits);  // zero-exact: code 0 -> 0, q -> (q - 1)|s| + lo
-    const float st = bf16_to_f32(zero ? static_cast<uint16_t>(st_bits & 0x7FFFu) : st_bits);
+    const float lo = bf16_value(a.lo[gi]);
+    const float st = bf16_value(a.step[gi]);
     const int b = a.bits[n];
     uint64_t word = 0;  // a row of another width has code 0 everywhere (as in the reference)
     int w = 0;
@@ -536,11 +461,7 @@ dequantize_kernel(const DequantArgs a, T* __restrict__ out) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float q = static_cast<float>(static_cast<uint32_t>(word >> (j * w)) & mask);
-      if (zero) {
-        r[j] = q == 0.0f ? 0.0f : __fadd_rn(__fmul_rn(__fsub_rn(q, 1.0f), st), lo);
-      } else {
-        r[j] = __fadd_rn(__fmul_rn(q, st), lo);
-      }
+      r[j] = __fadd_rn(__fmul_rn(q, st), lo);
     }
     T* dst = out + n * a.D + e;
     if (a.vec && c == 8) {
@@ -550,37 +471,6 @@ dequantize_kernel(const DequantArgs a, T* __restrict__ out) {
       for (int j = 0; j < 8; ++j) {
         if (j < c) put(dst + j, r[j]);
       }
-    }
-  }
-}
-
-// ReLU's backward from zero-exact codes, one octet per thread (reference.masked_grad_codes):
-// elements move as bit patterns W of their size; +0.0 where a zero-exact (or NaN-step) group's
-// code is 0.
-template <typename W>
-__global__ void __launch_bounds__(kThreads)
-masked_grad_codes_kernel(const DequantArgs a, const W* __restrict__ grad, W* __restrict__ out) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < a.work;
-       t += stride) {
-    const int64_t n = t / a.octets_per_row;
-    const int64_t e = 8 * (t - n * a.octets_per_row);
-    const int c = static_cast<int>(min(static_cast<int64_t>(8), a.D - e));
-    const int64_t gi = n * a.G + e / a.group_size;
-    const uint16_t st = a.step[gi];
-    const bool coded = is_zero_group(st) || (st & 0x7FFFu) > 0x7F80u;
-    const int b = a.bits[n];
-    uint64_t word = ~uint64_t{0};  // plain groups hold no zeros: keep everything
-    int w = 1;
-    if (coded && valid_width(b)) {
-      w = b;
-      word = load_bytes(a.data, a.data_len, a.offsets[n] + (e >> 3) * b, (c * b + 7) >> 3, b);
-    }
-    const uint32_t mask = (1u << w) - 1u;
-    const int64_t base = n * a.D + e;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j < c) out[base + j] = ((word >> (j * w)) & mask) != 0 ? grad[base + j] : W{0};
     }
   }
 }
@@ -745,7 +635,7 @@ void launch_quantize(const T* x, const QuantArgs& a, cudaStream_t stream) {
 // packs nothing (codes 0), like the reference.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, bool zero_exact) {
+    int64_t group_size, int64_t seed, bool stochastic) {
   constexpr const char* fn = "quantize_cuda";
   TORCH_CHECK(x2d.is_cuda(), fn, ": x2d must be a CUDA tensor, got ", x2d.device());
   TORCH_CHECK(x2d.dim() == 2, fn, ": x2d must be 2-d (N, D), got shape ", x2d.sizes());
@@ -791,7 +681,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
   a.key = seed_key(static_cast<uint32_t>(seed));
   a.lpg_log2 = lpg_log2;
   a.stochastic = stochastic;
-  a.zero = zero_exact;
   a.vec = (D % 8 == 0) && aligned16(x2d.data_ptr());
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -921,56 +810,6 @@ at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
           grad.data_ptr<T>(), p, n, on_pass, static_cast<float>(on_v), off_zero,
           static_cast<float>(off_v), out.data_ptr<T>());
     });
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-
-at::Tensor masked_grad_codes_cuda(const at::Tensor& grad, const at::Tensor& data,
-                                  const at::Tensor& step, const at::Tensor& bits,
-                                  const at::Tensor& offsets, int64_t group_size) {
-  constexpr const char* fn = "masked_grad_codes_cuda";
-  TORCH_CHECK(grad.is_cuda(), fn, ": grad must be a CUDA tensor, got ", grad.device());
-  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), fn,
-              ": grad must be a contiguous (N, D) tensor");
-  const at::ScalarType t = grad.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, fn,
-              ": grad must be float32, float64, float16 or bfloat16, got ", t);
-  check_on(data, grad, fn, "data");
-  check_on(step, grad, fn, "step");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1, fn,
-              ": data must be a 1-d uint8 tensor");
-  check_group_size(fn, group_size);
-  const int64_t N = grad.size(0), D = grad.size(1);
-  const int64_t G = groups_per_row(D, group_size);
-  check_rows(fn, grad, bits, offsets, N);
-  TORCH_CHECK(step.scalar_type() == at::kBFloat16 && step.dim() == 2 && step.size(0) == N &&
-              step.size(1) == G, fn, ": step must be bfloat16 of shape (", N, ", ", G, ")");
-  const c10::cuda::CUDAGuard guard(grad.device());
-  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
-  const int64_t octets_per_row = (D + 7) / 8;
-  const int64_t work = N * octets_per_row;
-  if (work == 0) return out;
-  const at::Tensor data_c = data.contiguous();
-  const at::Tensor step_c = step.contiguous();
-  const at::Tensor bits_c = bits.contiguous();
-  const at::Tensor offsets_c = offsets.contiguous();
-  const DequantArgs a = dequant_args(data_c, step_c, bits_c, offsets_c, D, G, group_size);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const unsigned grid = grid_for(work, kThreads);
-  switch (grad.element_size()) {
-    case 2:
-      masked_grad_codes_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
-          a, static_cast<const uint16_t*>(grad.data_ptr()), static_cast<uint16_t*>(out.data_ptr()));
-      break;
-    case 4:
-      masked_grad_codes_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(
-          a, static_cast<const uint32_t*>(grad.data_ptr()), static_cast<uint32_t*>(out.data_ptr()));
-      break;
-    default:
-      masked_grad_codes_kernel<uint64_t><<<grid, kThreads, 0, stream>>>(
-          a, static_cast<const uint64_t*>(grad.data_ptr()), static_cast<uint64_t*>(out.data_ptr()));
-      break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

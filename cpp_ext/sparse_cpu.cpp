@@ -9,7 +9,7 @@
 // by group (the mask, the group's count and range, then its codes), into a scratch buffer; the
 // rows are copied out once the row offsets (a prefix sum over rows) are known.
 #include "kernels.h"
-#include "bf16_cpu.h"
+#include "half_cpu.h"
 #include "codes_cpu.h"
 #include "isa_cpu.h"
 #include "pages_cpu.h"
@@ -35,7 +35,7 @@ AZ_INLINE float as_float(T v) {
 }
 template <>
 AZ_INLINE float as_float(c10::Half v) {
-  return half_value(v.x);  // exact; vectorises (bf16_cpu.h)
+  return half_value(v.x);  // exact; vectorises (half_cpu.h)
 }
 
 template <typename T>

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import actnn_zoo as az  # noqa: E402
-from actnn_zoo.memory import (StepSpec, interleaved_step_times,  # noqa: E402
-                              saved_activation_bytes, spec_peak_memory)
+from actnn_zoo.bench import StepSpec, interleaved_step_times, spec_peak_memory  # noqa: E402
+from actnn_zoo.memory import saved_activation_bytes  # noqa: E402
 
 MiB = 2 ** 20
 Case = Tuple[Callable[[], nn.Module], Tensor, Callable[[Any], Tensor], str]
@@ -166,7 +166,7 @@ def measure(name: str, case: Case) -> Dict[str, Any]:
 
 
 def timing(steps: int) -> Dict[str, Any]:
-    from actnn_zoo.memory import build_step
+    from actnn_zoo.bench import build_step
 
     out: Dict[str, Any] = {}
     for model, n in (("gpt2", 32), ("transformer_encoder", 32)):

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from actnn_zoo.functional import conv as fconv  # noqa: E402
-from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times  # noqa: E402
+from actnn_zoo.bench import StepSpec, build_step, interleaved_step_times  # noqa: E402
 
 # (input shape, output channels, kernel, stride, groups, transposed): the CNN's convs at batch
 # 512, one at 128, a larger map, and other kinds (depthwise, 1d, 3d, transposed) that take

@@ -177,8 +177,6 @@ def main() -> None:
         for name, qfn, dqfn in (
                 ("plain", lambda: az.quantize(relu_out, 2, args.group_size, seed=rnd),
                  az.dequantize),
-                ("zero-exact", lambda: az.quantize(relu_out, 2, args.group_size, seed=rnd,
-                                                   zero_exact=True), az.dequantize),
                 ("sparse", lambda: quantize_sparse(relu_out, 2, args.group_size, seed=rnd),
                  dequantize_sparse)):
             t_q, q = run(qfn)
@@ -230,7 +228,7 @@ def main() -> None:
 
     print("\nReLU output (half zeros) at 2 bits, ratio = time / x.clone() time; bytes kept "
           "(plain codes need ReLU's 1-bit mask besides):")
-    for name in ("plain", "zero-exact", "sparse"):
+    for name in ("plain", "sparse"):
         q, dq = med[("relu q", name)], med[("relu dq", name)]
         kept = med[("relu bytes", name)] + (x.numel() + 7) // 8 * (name == "plain")
         print(f"  {name:<11} quantize {q * 1e3:7.2f} ms {q / clone:5.2f}x   dequantize "

@@ -6,7 +6,7 @@ torch layer, in microseconds per call. Three ways to run the Q-layer: converted 
 (``capture: false``), and the 2-bit default strategy (``actnn``, per-sample widths).
 
 Thread CPU time of one torch thread, all variants timed round-robin in one process
-(``actnn_zoo.memory.interleaved_step_times``). Per call the minimum by default: a fixed cost is
+(``actnn_zoo.bench.interleaved_step_times``). Per call the minimum by default: a fixed cost is
 what a call takes when nothing interrupts it, and on a shared machine interruptions only add
 (``--stat median`` for the median). E.g.
     .venv/bin/python scripts/bench_layer_overhead.py
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from actnn_zoo import convert_model  # noqa: E402
-from actnn_zoo.memory import interleaved_step_times  # noqa: E402
+from actnn_zoo.bench import interleaved_step_times  # noqa: E402
 
 # name -> (layer factory, input shape); inputs require grad so every layer's backward runs
 LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {

@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 
 import actnn_zoo.functional.norm as fnorm  # noqa: E402
 from actnn_zoo import convert_model  # noqa: E402
-from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times  # noqa: E402
+from actnn_zoo.bench import StepSpec, build_step, interleaved_step_times  # noqa: E402
 
 LAYERS = {  # name -> (torch layer, input shape)
     "bn 512x32x8x8": (lambda: nn.BatchNorm2d(32), (512, 32, 8, 8)),

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 import torch  # noqa: E402
 
-from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times  # noqa: E402
+from actnn_zoo.bench import StepSpec, build_step, interleaved_step_times  # noqa: E402
 
 DEFAULT_BATCH = {"resnet": 256, "unet": 32, "conv1d": 256, "transformer": 32,
                  "transformer_encoder": 32, "gpt2": 32}

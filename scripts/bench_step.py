@@ -8,7 +8,7 @@ model's forward as written can peak below the floor, so fp32's peak over it boun
 activation compression can gain on that model (``StepSpec.phase``). The batch-1 cases measure
 the fixed cost per step (Python and dispatch of every Q-layer call).
 
-Peaks: each mode in a fresh child process (``actnn_zoo.memory.spec_peak_memory``: VmHWM over
+Peaks: each mode in a fresh child process (``actnn_zoo.bench.spec_peak_memory``: VmHWM over
 the warmed-up resident set, every large tensor its own mapping). Times: all modes in this
 process, round-robin (``interleaved_step_times``), median per step. E.g.
     .venv/bin/python scripts/bench_step.py --json results/bench_step.json
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 import torch  # noqa: E402
 
-from actnn_zoo.memory import StepSpec, build_step, interleaved_step_times, spec_peak_memory  # noqa: E402
+from actnn_zoo.bench import StepSpec, build_step, interleaved_step_times, spec_peak_memory  # noqa: E402
 
 CASES = {  # name -> (model, batch, model kwargs)
     "resnet:1": ("resnet", 1, {}),  # the per-layer fixed cost (Python, dispatch)

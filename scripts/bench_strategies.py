@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import actnn_zoo as az  # noqa: E402
 from actnn_zoo.convert import precision_strategy  # noqa: E402
 from actnn_zoo.data import load_digits_data  # noqa: E402
-from actnn_zoo.memory import compression_ratio, interleaved_step_times  # noqa: E402
+from actnn_zoo.bench import interleaved_step_times  # noqa: E402
+from actnn_zoo.memory import compression_ratio  # noqa: E402
 from bench_precision import is_weight, train_fp32  # noqa: E402
 
 Setup = Optional[Callable[[nn.Module], None]]

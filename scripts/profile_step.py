@@ -15,7 +15,7 @@ Function's backward is its ``...Backward`` node, whose self time is the Python c
 backward around the ops it calls. ``--full`` also prints torch's own table per mode.
 
 Models: those of actnn_zoo/models.py (``resnet``, ``transformer``, ``unet``, ``conv1d``, ...,
-built by actnn_zoo.memory.build_step, modes ``fp32``, ``<k>-bit`` (uniform), ``default``
+built by actnn_zoo.bench.build_step, modes ``fp32``, ``<k>-bit`` (uniform), ``default``
 (the 2-bit default, actnn strategy), ``checkpoint``) and the
 GPU benchmark's ``resnet50`` / ``gpt2`` (bench_gpu_models.py, its modes).
 """
@@ -39,7 +39,7 @@ DEFAULT_BATCH = {"resnet": 128, "transformer": 32}
 
 
 def _zoo_step(model: str, mode: str, batch: int, device: str) -> Callable[[], object]:
-    from actnn_zoo.memory import StepSpec, build_step
+    from actnn_zoo.bench import StepSpec, build_step
 
     if mode == "fp32":
         spec = StepSpec(model, batch, device=device)

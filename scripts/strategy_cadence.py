@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import actnn_zoo as az  # noqa: E402
 from actnn_zoo.convert import precision_strategy  # noqa: E402
-from actnn_zoo.memory import interleaved_step_times  # noqa: E402
+from actnn_zoo.bench import interleaved_step_times  # noqa: E402
 
 import bench_strategies as B  # noqa: E402
 

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import actnn_zoo as az  # noqa: E402
-from actnn_zoo.memory import interleaved_step_times, saved_activation_bytes  # noqa: E402
+from actnn_zoo.bench import interleaved_step_times  # noqa: E402
+from actnn_zoo.memory import saved_activation_bytes  # noqa: E402
 from actnn_zoo.models import build_model, example_batch, workload  # noqa: E402
 
 def weight_grads(model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -481,20 +481,17 @@ def test_has_cuda_flag():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(0, 6), d=st.integers(0, 300), bits=st.sampled_from([1, 2, 4, 8]),
        group_size=st.sampled_from([8, 24, 256]), dtype=st.sampled_from(DTYPES),
-       seed=st.integers(0, 2 ** 32 - 1), stochastic=st.booleans(),
-       zero_exact=st.booleans(), data=st.data())
+       seed=st.integers(0, 2 ** 32 - 1), stochastic=st.booleans(), data=st.data())
 def test_uniform_entries_equal_the_general_ones(n, d, bits, group_size, dtype, seed,
-                                                stochastic, zero_exact, data):
+                                                stochastic, data):
     """quantize_uniform / dequantize_uniform (compiled and reference) give exactly what
     quantize / dequantize give with the widths and offsets spelled out, for any row range."""
-    if zero_exact and bits == 1:
-        bits = 2
     g = torch.Generator().manual_seed(seed % 1000)
     x = torch.randn(n, d, generator=g).to(dtype)
     b, offsets, total = _layout(x, bits)
-    want = _C.quantize(x, b, offsets, total, group_size, seed, stochastic, zero_exact)
+    want = _C.quantize(x, b, offsets, total, group_size, seed, stochastic)
     for impl in (_C, R):
-        got = impl.quantize_uniform(x, bits, group_size, seed, stochastic, zero_exact)
+        got = impl.quantize_uniform(x, bits, group_size, seed, stochastic)
         assert torch.equal(got[0], want[0])
         assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
         assert torch.equal(got[2].view(torch.int16), want[2].view(torch.int16))

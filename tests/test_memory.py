@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from actnn_zoo.memory import (OUTSIDE, ROOT, PeakReport, StepSpec, compression_ratio,
-                              current_rss, find_max_batch, peak_rss, saved_activation_bytes,
-                              spec_peak_memory)
+from actnn_zoo.bench import (PeakReport, StepSpec, current_rss, find_max_batch, peak_rss,
+                             spec_peak_memory)
+from actnn_zoo.memory import OUTSIDE, ROOT, compression_ratio, saved_activation_bytes
 
 F32 = 4
 
@@ -113,7 +113,7 @@ def test_compression_ratio_hand_built():
 
 
 def test_converted_cnn_compresses():
-    from actnn_zoo.memory import apply_mode
+    from actnn_zoo.bench import apply_mode
     from actnn_zoo.models import build_model, example_batch
 
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def test_step_spec_names_a_bad_phase():
 def test_step_phases_run_part_of_a_step(monkeypatch, mode, phase):
     """"forward" records a graph and drops it, "no_grad" records none; neither runs backward
     or updates the weights, and both return the loss the full step computes first."""
-    import actnn_zoo.memory as memory
+    import actnn_zoo.bench as bench
     from actnn_zoo import models
 
     built = []
@@ -193,11 +193,11 @@ def test_step_phases_run_part_of_a_step(monkeypatch, mode, phase):
 
     monkeypatch.setattr(models, "build_model", spy)
     kw = {"width": 8, "dropout": 0.0}  # no random stream: the Q-layers draw seeds from it
-    part = memory.build_step(StepSpec("resnet", 8, mode=mode, model_kwargs=kw, phase=phase))
+    part = bench.build_step(StepSpec("resnet", 8, mode=mode, model_kwargs=kw, phase=phase))
     model = built[0]
     before = [p.detach().clone() for p in model.parameters()]
     losses = [part() for _ in range(2)]
-    first_step_loss = memory.build_step(StepSpec("resnet", 8, mode=mode, model_kwargs=kw))()
+    first_step_loss = bench.build_step(StepSpec("resnet", 8, mode=mode, model_kwargs=kw))()
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert all(not loss.requires_grad for loss in losses)
@@ -258,7 +258,7 @@ def test_discarded_branches_not_counted():
 def test_interleaved_step_times_use_the_given_clock_round_robin():
     """The clock is read around each step (a fake clock ticking once per read makes every step
     take 1), and the modes alternate in rounds rather than running one after the other."""
-    from actnn_zoo.memory import interleaved_step_times
+    from actnn_zoo.bench import interleaved_step_times
 
     reads, order = [0], []
 
@@ -275,16 +275,16 @@ def test_interleaved_step_times_use_the_given_clock_round_robin():
 def test_max_batch_cli_floor_mode_and_unknown_modes(monkeypatch, capsys):
     """``--modes floor`` searches the plain no-grad forward (StepSpec phase); an unknown mode is
     named before any search starts."""
-    import actnn_zoo.memory as memory
+    import actnn_zoo.bench as bench
     from actnn_zoo.__main__ import main
 
     seen = []
 
     def fake_search(spec, cap, **kwargs):
         seen.append(spec)
-        return memory.MaxBatchResult(64 if spec.phase == "no_grad" else 16, cap)
+        return bench.MaxBatchResult(64 if spec.phase == "no_grad" else 16, cap)
 
-    monkeypatch.setattr(memory, "find_max_batch", fake_search)
+    monkeypatch.setattr(bench, "find_max_batch", fake_search)
     assert main(["max-batch", "--modes", "fp32,floor", "--cap-mib", "1"]) == 0
     assert [(s.mode, s.phase) for s in seen] == [("fp32", "step"), ("fp32", "no_grad")]
     assert "4.0x" in capsys.readouterr().out  # floor 64 against fp32 16

@@ -1,13 +1,10 @@
 """ReLU's output compressed once, its backward read from the consumer's codes.
 
-Zero-exact codes (``quantize(..., zero_exact=True)``, a kernel feature): kernel twins
-(compiled vs reference, bit for bit), the code-0-iff-zero property, unbiasedness with a stated
-tolerance, the fused backward against torch's ``threshold_backward``. The model-level
-behaviour, where the consumer stores the output as sparse codes (``relu_codes``, on by
-default; tests/test_sparse_codes.py covers those kernels): a converted CNN's ReLUs keep nothing
-of their own from the second forward on, gradients stay exact where they do not depend on the
-saved values, a ReLU whose output nobody compresses goes back to its mask, and checkpointed
-segments recompute alike.
+The consumer stores the output as sparse codes (``relu_codes``, on by default;
+tests/test_sparse_codes.py covers those kernels): a converted CNN's ReLUs keep nothing of their
+own from the second forward on, gradients stay exact where they do not depend on the saved
+values, a ReLU whose output nobody compresses goes back to its mask, and checkpointed segments
+recompute alike.
 """
 from __future__ import annotations
 
@@ -16,148 +13,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 import actnn_zoo as az
-from actnn_zoo.quant import SampleBits, dequantize, masked_grad_codes, quantize
-from actnn_zoo.quant import reference as R
-from actnn_zoo.quant.backend import extension
 from actnn_zoo.memory import ROOT, saved_activation_bytes
-
-needs_ext = pytest.mark.skipif(extension() is None, reason="compiled extension not built")
-
-
-def relu_like(n: int, d: int, seed: int, zero_frac: float = 0.5, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g).abs() * torch.rand(n, 1, generator=g) * 10
-    x[torch.rand(n, d, generator=g) < zero_frac] = 0.0
-    return x.to(dtype)
-
-
-def ref_quantize(x2d, bits, group_size, seed, stochastic=True):
-    n, d = x2d.shape
-    rb = torch.full((n,), bits, dtype=torch.uint8)
-    off = R.uniform_offsets(n, d, bits, x2d.device)
-    return R.quantize(x2d, rb, off, int(off[-1]), group_size, seed, stochastic,
-                      zero_exact=True), rb, off
-
-
-# ---------------------------------------------------------------------------------- kernels ----
-@needs_ext
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 5), d=st.integers(1, 700), bits=st.sampled_from([2, 4, 8]),
-       group=st.sampled_from([8, 32, 256]), seed=st.integers(0, 2 ** 31 - 2),
-       zero_frac=st.sampled_from([0.0, 0.3, 0.9, 1.0]), stochastic=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
-def test_compiled_matches_reference(n, d, bits, group, seed, zero_frac, stochastic, dtype):
-    x = relu_like(n, d, seed, zero_frac, dtype)
-    if d > 3:  # negative values, a NaN and a -0.0 in other groups
-        x[0, 0] = -1.5
-        x[-1, d // 2] = float("nan")
-        x[-1, d - 1] = -0.0
-    (data_r, lo_r, step_r), rb, off = ref_quantize(x, bits, group, seed, stochastic)
-    data, lo, step = extension().quantize(x.contiguous(), rb, off, int(off[-1]), group, seed,
-                                          stochastic, True)
-    assert torch.equal(data, data_r)
-    assert torch.equal(lo.view(torch.int16), lo_r.view(torch.int16))
-    assert torch.equal(step.view(torch.int16), step_r.view(torch.int16))
-    out_r = R.dequantize(data_r, lo_r, step_r, rb, off, group, torch.empty(n, d, dtype=dtype))
-    out = extension().dequantize(data, lo, step, rb, off, group, torch.empty(n, d, dtype=dtype))
-    assert torch.equal(out.isnan(), out_r.isnan())
-    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(out_r))
-    grad = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    g_r = R.masked_grad_codes(grad, data_r, step_r, rb, off, group)
-    g = extension().masked_grad_codes(grad, data, step, rb, off, group)
-    assert torch.equal(g.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       g_r.view(torch.int16 if dtype != torch.float32 else torch.int32))
-
-
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 6), d=st.integers(1, 600), bits=st.sampled_from([2, 4, 8]),
-       seed=st.integers(0, 10 ** 6), zero_frac=st.sampled_from([0.1, 0.5, 0.95]))
-def test_code_zero_exactly_at_zeros(n, d, bits, seed, zero_frac):
-    """For a non-negative tensor the zero-exact codes are 0 exactly where x == 0 (every group
-    holding a zero is zero-exact; the others hold only positives), and dequantize gives 0
-    exactly there and a positive value elsewhere."""
-    x = relu_like(n, d, seed, zero_frac)
-    q = quantize(x, bits, 64, seed=seed, zero_exact=True)
-    out = dequantize(q)
-    assert torch.equal(out == 0, x == 0)
-    grad = torch.ones_like(x)
-    assert torch.equal(masked_grad_codes(grad, q) != 0, x > 0)
-
-
-def test_tiny_positive_values_keep_their_mask():
-    """Values far below the group's range (and denormals) still get a nonzero code."""
-    x = torch.zeros(2, 256)
-    x[0, 1] = 1e-42  # a float32 denormal, below bfloat16's smallest normal
-    x[0, 2] = 1e3
-    x[1, 5] = 1e-30
-    x[1, 6] = 3.0
-    q = quantize(x, 2, 256, seed=3, zero_exact=True)
-    assert torch.equal(masked_grad_codes(torch.ones_like(x), q) != 0, x > 0)
-
-
-def test_unbiased():
-    """K = 4000 draws: the mean of the dequantized values matches x. Per value the rounding
-    variance is at most s^2 / 4 (s the group's step), so the mean's standard error is at most
-    s / (2 sqrt(K)); every value must lie within 5 of those (the maximum over 512 values of
-    |N(0, 1)| exceeds 5 with probability < 3e-4, and the bound on the variance is loose)."""
-    x = relu_like(2, 256, seed=7, zero_frac=0.5)
-    k = 4000
-    acc = torch.zeros_like(x, dtype=torch.float64)
-    q = None
-    for i in range(k):
-        q = quantize(x, 2, 256, seed=1000 + i, zero_exact=True)
-        acc += dequantize(q).double()
-    mean = acc / k
-    s = q.step.float().abs().repeat_interleave(256, dim=1)[:, :256].double()
-    assert (q.step.view(torch.int16) < 0).all()  # both groups hold zeros: zero-exact
-    err = (mean - x.double()).abs()
-    assert bool((err <= 5 * s / (2 * k ** 0.5) + 1e-7).all()), float((err / s).max())
-    assert torch.equal(mean == 0, x == 0)
-
-
-def test_step_is_wider_than_plain_by_levels_ratio():
-    """The price: a zero-exact group spans its positive range with L - 1 intervals instead of
-    L, so at 2 bits its step is about 3/2 of a plain one's (a 2.25x rounding variance)."""
-    x = relu_like(4, 256, seed=11, zero_frac=0.5)
-    plain = quantize(x, 2, 256, seed=0)
-    zero = quantize(x, 2, 256, seed=0, zero_exact=True)
-    ratio = zero.step.float().abs() / plain.step.float()
-    assert bool(((ratio > 1.3) & (ratio < 1.7)).all()), ratio
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_masked_grad_codes_equals_threshold_backward(dtype):
-    x = torch.randn(3, 5, 7, 9)
-    x[0, 0, 0, :3] = float("nan")
-    y = F.relu(x)
-    q = quantize(y.float(), 2, 32, seed=1, zero_exact=True)
-    grad = torch.randn(3, 5, 7, 9).to(dtype)
-    want = torch.ops.aten.threshold_backward(grad, y.to(dtype), 0.0)
-    got = masked_grad_codes(grad, q)
-    assert got.dtype == dtype and got.is_contiguous()
-    assert torch.equal(got, want)
-
-
-def test_bad_input():
-    x = relu_like(2, 64, 0)
-    with pytest.raises(ValueError, match="zero_exact needs widths of 2, 4 or 8"):
-        quantize(x, 1, 64, zero_exact=True)
-    with pytest.raises(ValueError, match="zero_exact needs widths of 2, 4 or 8"):
-        quantize(x, SampleBits(torch.tensor([2, 1], dtype=torch.uint8), 4), 64, zero_exact=True)
-    mixed = quantize(x, SampleBits(torch.tensor([2, 4], dtype=torch.uint8), 6), 64,
-                     zero_exact=True)  # per-sample widths of at least 2 are fine
-    assert torch.equal(masked_grad_codes(torch.ones_like(x), mixed) != 0, x > 0)
-    with pytest.raises(ValueError, match="transform='none'"):
-        quantize(x, 2, 64, zero_exact=True, transform="hadamard")
-    with pytest.raises(ValueError, match="zero_exact=True"):
-        masked_grad_codes(torch.ones_like(x), quantize(x, 2, 64))
-    with pytest.raises(ValueError, match="shape"):
-        masked_grad_codes(torch.ones(2, 32), quantize(x, 2, 64, zero_exact=True))
 
 
 # ---------------------------------------------------------------------------------- models ----

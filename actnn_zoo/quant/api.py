@@ -155,8 +155,7 @@ def check_sample_bits(bits: Bits, validate: Optional[bool]) -> None:
 
 def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
              seed: Optional[int] = None, rounding: str = "stochastic",
-             validate: Optional[bool] = None, transform: str = "none",
-             zero_exact: bool = False) -> QuantizedTensor:
+             validate: Optional[bool] = None, transform: str = "none") -> QuantizedTensor:
     """Compress ``x`` to ``bits`` per value with per-group stochastic rounding.
 
     ``bits`` is 1, 2, 4 or 8, or a 1-d integer tensor with one such width per sample (row),
@@ -171,20 +170,10 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     group instead (``group_size`` a power of two in [32, 8192]; signs from ``seed``), which
     :func:`dequantize` inverts: still unbiased, with outliers spread over their group
     (:mod:`actnn_zoo.quant.hadamard`). It costs one float32 copy of ``x`` while quantizing.
-    ``zero_exact=True`` (widths 2, 4 or 8, no transform) codes each group that holds a zero
-    with levels ``0, m, m + s, ...`` (``m`` its smallest positive value rounded down): zeros
-    stay exact, positive values round stochastically among the positive levels (still
-    unbiased, with a step ``L / (L - 1)`` times a plain group's), and for a non-negative ``x``
-    (a ReLU output) code 0 means exactly ``x == 0``, which :func:`masked_grad_codes` reads.
-    Groups without a zero are coded as usual.
     """
     group_size, seed = check_quantize_args(x, group_size, rounding, seed)
     check_transform(transform)
     check_transform_group(transform, group_size)
-    if zero_exact:
-        if transform != "none":
-            raise ValueError(f"zero_exact needs transform='none', got {transform!r}")
-        _check_zero_exact_bits(bits, validate)
 
     rows = as_rows(x.detach())
     n, d = rows.shape
@@ -200,19 +189,18 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
             data, lo, step = _empty_codes(n, d, group_size, x.device)
         else:
             data, lo, step = kernels(x.device).quantize_uniform(
-                rows.contiguous(), uniform, group_size, seed & 0xFFFFFFFF, stochastic,
-                zero_exact)
+                rows.contiguous(), uniform, group_size, seed & 0xFFFFFFFF, stochastic)
         return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
-                               transform=transform, transform_seed=tseed, zero_exact=zero_exact)
+                               transform=transform, transform_seed=tseed)
     row_bits, offsets, total, _ = _rows_layout(bits, n, d, x.device, validate)
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
         data, lo, step = kernels(x.device).quantize(
             rows.contiguous(), row_bits, offsets, total, group_size, seed & 0xFFFFFFFF,
-            stochastic, zero_exact)
+            stochastic)
     return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
-                           row_bits, offsets, transform, tseed, zero_exact)
+                           row_bits, offsets, transform, tseed)
 
 
 def _rows_layout(bits: Bits, n: int, d: int, device: torch.device, validate: Optional[bool]
@@ -326,21 +314,6 @@ def check_quantize_args(x: Tensor, group_size: int, rounding: str,
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     return group_size, seed
-
-
-def _check_zero_exact_bits(bits: Bits, validate: Optional[bool]) -> None:
-    """zero_exact needs two positive levels: every width 2, 4 or 8 (per-sample widths are read
-    on CPU, where it is free, and under the debug checks elsewhere)."""
-    widths = bits.bits if isinstance(bits, SampleBits) else bits
-    if isinstance(widths, Tensor):
-        if widths.device.type != "cpu" and not debug_checks(validate):
-            return
-        ok = widths.numel() == 0 or int(widths.min()) >= 2
-    else:
-        ok = check_bits(widths) >= 2
-    if not ok:
-        raise ValueError(f"zero_exact needs widths of 2, 4 or 8 bits, got {bits!r}: with one "
-                         "positive level rounding cannot stay unbiased")
 
 
 def _capacity(bits: Bits, offsets: Tensor, n: int, d: int) -> int:
@@ -520,31 +493,3 @@ def masked_grad(grad: Tensor, packed: Tensor, on: Optional[float] = None,
             or (grad.requires_grad and torch.is_grad_enabled()):  # create_graph: differentiable
         return _masked_grad_torch(grad, packed, on, off)
     return fn(grad.contiguous(), packed.contiguous(), on, off)
-
-
-def masked_grad_codes(grad: Tensor, q: QuantizedTensor) -> Tensor:
-    """ReLU's backward from the codes of its zero-exact output ``q``: ``grad`` where the output
-    was positive, +0.0 where it was 0, bit for bit what ``threshold_backward`` gives, in one
-    pass and without a mask of ReLU's own (docs/design.md, "Compress each tensor once").
-
-    ``q``: :func:`quantize` of a non-negative tensor of ``grad``'s shape with
-    ``zero_exact=True``. Returns a contiguous tensor of ``grad``'s shape and dtype. Without
-    compiled kernels, or when the result must be differentiable (``create_graph=True``), it
-    runs the torch formula of ``actnn_zoo.quant.reference.masked_grad_codes``.
-    """
-    if not isinstance(q, QuantizedTensor) or not q.zero_exact:
-        raise ValueError("masked_grad_codes needs a QuantizedTensor made with zero_exact=True")
-    if tuple(grad.shape) != tuple(q.shape):
-        raise ValueError(f"gradient of shape {tuple(grad.shape)} for codes of {tuple(q.shape)}")
-    if grad.dtype not in _MASKED_GRAD_DTYPES:
-        raise TypeError(f"grad must be a floating tensor, got {grad.dtype}")
-    if grad.numel() == 0:
-        return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-    g2 = as_rows(grad.contiguous())
-    row_bits, offsets = q.row_layout()
-    k = kernels(grad.device)
-    fn = getattr(k, "masked_grad_codes", None)
-    if fn is None or (grad.requires_grad and torch.is_grad_enabled()):
-        return reference.masked_grad_codes(g2, q.data, q.step, row_bits, offsets,
-                                           q.group_size).view(grad.shape)
-    return fn(g2, q.data, q.step, row_bits, offsets, q.group_size).view(grad.shape)

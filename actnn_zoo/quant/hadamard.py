@@ -22,7 +22,10 @@ import torch
 from torch import Tensor
 
 from .backend import kernels
-from .reference import _C1, _M32, _fmix32, _mul32, fmix32_int
+from .hash32 import C1 as _C1
+from .hash32 import M32 as _M32
+from .hash32 import fmix32 as _fmix32
+from .hash32 import fmix32_int, mul32 as _mul32
 
 TRANSFORMS = ("none", "hadamard")
 MIN_GROUP, MAX_GROUP = 32, 8192  # as kHadamardMinGroup / kHadamardMaxGroup in hadamard.h

@@ -23,41 +23,18 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-_M32 = 0xFFFFFFFF
+from .hash32 import C1 as _C1
+from .hash32 import M32 as _M32
+from .hash32 import fmix32 as _fmix32
+from .hash32 import fmix32_int, mul32 as _mul32
+
 GOLDEN = 0x9E3779B9
-_C1 = 0x85EBCA6B
-_C2 = 0xC2B2AE35
 MIN_STEP = 2.0 ** -126  # smallest normal float32, exactly representable in bfloat16
 
 
 # ----------------------------------------------------------------------------------------------
 # Counter-based random numbers
 # ----------------------------------------------------------------------------------------------
-def _mul32(h: Tensor, c: int) -> Tensor:
-    """(h * c) mod 2^32 for int64 tensors holding uint32 values, without int64 overflow."""
-    lo16, hi16 = c & 0xFFFF, c >> 16
-    return (h * lo16 + (((h * hi16) & 0xFFFF) << 16)) & _M32
-
-
-def fmix32_int(h: int) -> int:
-    """murmur3's 32-bit finalizer on a Python int (used for the per-call seed key)."""
-    h &= _M32
-    h ^= h >> 16
-    h = (h * _C1) & _M32
-    h ^= h >> 13
-    h = (h * _C2) & _M32
-    h ^= h >> 16
-    return h
-
-
-def _fmix32(h: Tensor) -> Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, _C1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, _C2)
-    return h ^ (h >> 16)
-
-
 def seed_key(seed: int) -> int:
     """The 32-bit key every backend derives from a user seed."""
     return fmix32_int((seed & _M32) + GOLDEN)
@@ -159,60 +136,6 @@ def quantize_codes(x2d: Tensor, lo: Tensor, step: Tensor, levels: Tensor, group_
     return q.to(torch.uint8)
 
 
-def zero_groups(step: Tensor) -> Tensor:
-    """(N, G) bool: groups stored with an exact zero code (their bf16 ``step`` has its sign bit
-    set, see :func:`zero_exact_codes`) or bad (NaN), whose codes are then 0 exactly at zeros."""
-    return (step.view(torch.int16) < 0) | torch.isnan(step)
-
-
-def zero_exact_codes(x2d: Tensor, lo: Tensor, step: Tensor, codes: Tensor, levels: Tensor,
-                     group_size: int, seed: int, stochastic: bool
-                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Re-code the groups of float32 ``x2d`` that hold a zero (minimum == 0) with zero exact.
-
-    Levels ``0, m, m + s, ..., m + (L - 1) s`` for ``L = 2^b - 1``: ``m`` (``lo``) is the
-    smallest positive value rounded down to bf16, ``s`` the positive range over ``L - 1``
-    (rounded and nudged like a plain group's step) and stored negated, so that the sign bit of
-    ``step`` marks the group. Code 0 is exactly the zeros; a positive value gets
-    ``1 + clamp(floor((x - m) / s + u), 0, L - 1)``, stochastic rounding among the positive
-    levels (unbiased). Groups without zeros (minimum > 0, or < 0) keep the plain codes; a bad
-    group (NaN step) gets code ``x != 0``. Rows of 1 bit (L = 1) are left plain: with one
-    positive level, rounding cannot be unbiased. Why: the codes of a ReLU output then say
-    exactly where it was positive, so ReLU's backward needs no mask of its own.
-    """
-    n, d = x2d.shape
-    lv = levels.to(torch.float32).unsqueeze(1)
-    mn = _grouped(x2d, group_size, float("inf")).amin(dim=2)
-    mx = _grouped(x2d, group_size, float("-inf")).amax(dim=2)
-    pos = _grouped(torch.where(x2d > 0, x2d, float("inf")), group_size, float("inf")).amin(dim=2)
-    pos = torch.where(mx > 0, pos, 0.0)
-    rows = (lv >= 3).expand_as(mn)
-    bad = torch.isnan(step) & rows
-    zg = (mn == 0) & ~torch.isnan(step) & rows
-    lo_z, step_z = _range_metadata(pos, mx, torch.clamp_min(lv - 1, 1))
-    q = quantize_codes(x2d, lo_z, step_z, torch.clamp_min(levels - 1, 1), group_size, seed,
-                       stochastic)
-    nonzero = x2d != 0
-    code_z = torch.where(nonzero, q + 1, 0).to(torch.uint8)
-    zg_e = _expand(zg.float(), d, group_size) > 0
-    bad_e = _expand(bad.float(), d, group_size) > 0
-    codes = torch.where(zg_e, code_z, torch.where(bad_e, nonzero.to(torch.uint8), codes))
-    # A zero group whose step overflows is bad (NaN, sign clear) like a plain one.
-    step_z = torch.where(torch.isnan(step_z), step_z, -step_z.abs())  # -0.0 for a 0 step
-    return torch.where(zg, lo_z, lo), torch.where(zg, step_z, step), codes
-
-
-def masked_grad_codes(grad: Tensor, data: Tensor, step: Tensor, bits: Tensor, offsets: Tensor,
-                      group_size: int) -> Tensor:
-    """``grad`` (N, D) where the zero-exact codes are nonzero, +0.0 elsewhere; groups stored
-    plain (no zero in them) pass ``grad`` whole. A contiguous tensor of ``grad``'s dtype."""
-    d = grad.shape[1]
-    codes = unpack_codes(data, bits, offsets, d)
-    zg = _expand(zero_groups(step).float(), d, group_size) > 0
-    keep = ~zg | (codes != 0)
-    return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-
-
 # ----------------------------------------------------------------------------------------------
 # Packing
 # ----------------------------------------------------------------------------------------------
@@ -275,31 +198,23 @@ def unpack_codes(data: Tensor, bits: Tensor, offsets: Tensor, d: int) -> Tensor:
 # The kernel interface every backend implements
 # ----------------------------------------------------------------------------------------------
 def quantize(x2d: Tensor, bits: Tensor, offsets: Tensor, total: int, group_size: int, seed: int,
-             stochastic: bool, zero_exact: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-    """(N, D) contiguous float tensor -> (packed uint8 data, lo bf16 (N, G), step bf16 (N, G)).
-    ``zero_exact``: groups holding a zero get an exact zero code (:func:`zero_exact_codes`)."""
+             stochastic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(N, D) contiguous float tensor -> (packed uint8 data, lo bf16 (N, G), step bf16 (N, G))."""
     x = x2d.to(torch.float32)
     levels = (1 << bits.to(torch.int64)) - 1
     lo, step = group_metadata(x, levels, group_size)
     codes = quantize_codes(x, lo, step, levels, group_size, seed, stochastic)
-    if zero_exact:
-        lo, step, codes = zero_exact_codes(x, lo, step, codes, levels, group_size, seed,
-                                           stochastic)
     return pack_codes(codes, bits, offsets, total), lo, step
 
 
 def dequantize(data: Tensor, lo: Tensor, step: Tensor, bits: Tensor, offsets: Tensor,
                group_size: int, out: Tensor) -> Tensor:
-    """Inverse of :func:`quantize` into ``out`` (N, D): ``q * step + lo`` in float32, cast; in
-    a zero-exact group (``step`` < 0) 0 for code 0, else ``(q - 1) * |step| + lo``."""
+    """Inverse of :func:`quantize` into ``out`` (N, D): ``q * step + lo`` in float32, cast."""
     d = out.shape[1]
     q = unpack_codes(data, bits, offsets, d).to(torch.float32)
     st = _expand(step, d, group_size)
     lo_e = _expand(lo, d, group_size)
-    plain = q * st + lo_e
-    zg = _expand((step.view(torch.int16) < 0).float(), d, group_size) > 0
-    zval = torch.where(q == 0, 0.0, (q - 1.0) * (-st) + lo_e)
-    out.copy_(torch.where(zg, zval, plain))
+    out.copy_(q * st + lo_e)
     return out
 
 
@@ -394,13 +309,13 @@ def _uniform_layout(n: int, d: int, bits: int, first: int, device: torch.device
             uniform_offsets(n, d, bits, device, first))
 
 
-def quantize_uniform(x2d: Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
-                     zero_exact: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+def quantize_uniform(x2d: Tensor, bits: int, group_size: int, seed: int, stochastic: bool
+                     ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`quantize` with one width for every row (``N * ceil(D * bits / 8)`` bytes)."""
     n, d = x2d.shape
     row_bits, offsets = _uniform_layout(n, d, bits, 0, x2d.device)
     return quantize(x2d, row_bits, offsets, n * ((d * bits + 7) // 8), group_size, seed,
-                    stochastic, zero_exact)
+                    stochastic)
 
 
 def dequantize_uniform(data: Tensor, lo: Tensor, step: Tensor, bits: int, group_size: int,

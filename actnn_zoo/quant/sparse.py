@@ -3,17 +3,17 @@ nonzeros only.
 
 Why (docs/design.md, "ReLU reads its consumer's codes"): a ReLU output is about half zeros and
 is saved twice in a plain zoo, as ReLU's 1-bit mask and as the next layer's 2-bit codes (3.125
-bits per value). Zero-exact codes drop the mask but give the positive values one interval
-fewer (at 2 bits: 2 instead of 3, about 2x the gradient error). Sparse codes keep the mask,
-which is then the only thing ReLU needs, and spend the codes on the nonzero values alone, with
-each group's range over its nonzeros: at half zeros and 2 bits, 1 + 1 + 0.125 bits per value,
-the size of zero-exact codes, with a finer step than plain codes. Stochastic rounding among a
+bits per value). Sparse codes keep the mask, which is then the only thing ReLU needs, and spend
+the codes on the nonzero values alone, with each group's range over its nonzeros: at half
+zeros and 2 bits, 1 + 1 + 0.125 bits per value, with a finer step than plain codes. (Coding
+zero as an exact level of plain codes instead, tried first, cost the positive values one
+interval, about 2x the gradient error, and was removed.) Stochastic rounding among a
 group's levels keeps them unbiased; zeros are exact.
 
 CPU kernels (``cpp_ext/sparse_cpu.cpp``), bit-identical to
 :func:`actnn_zoo.quant.reference.quantize_sparse`; other devices run that reference (torch ops):
-correct, not fast. The capture store uses sparse codes for ReLU outputs on the CPU only and
-zero-exact codes (which have CUDA kernels) elsewhere.
+correct, not fast. The capture store uses sparse codes for ReLU outputs on the CPU only;
+elsewhere ReLUs keep their own masks.
 """
 from __future__ import annotations
 

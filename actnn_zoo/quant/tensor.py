@@ -47,9 +47,6 @@ class QuantizedTensor(CompressedPayload):
     ``transform`` is 'none' or 'hadamard': the codes then hold the randomized Walsh-Hadamard
     transform of each full group (signs from ``transform_seed``), which dequantize inverts
     (:mod:`actnn_zoo.quant.hadamard`).
-    ``zero_exact``: groups holding a zero were coded with zero as an exact code (their ``step``
-    is stored negated), so the codes tell exactly where the tensor was nonzero
-    (:func:`actnn_zoo.quant.masked_grad_codes`, ReLU's backward without a mask of its own).
     """
 
     data: Tensor
@@ -63,7 +60,6 @@ class QuantizedTensor(CompressedPayload):
     offsets: Optional[Tensor] = None
     transform: str = "none"
     transform_seed: int = 0
-    zero_exact: bool = False
 
     # -- autograd integration: everything saved goes through ctx.save_for_backward ----------
     def tensors(self) -> Tuple[Tensor, ...]:
@@ -75,17 +71,17 @@ class QuantizedTensor(CompressedPayload):
     def spec(self) -> tuple:
         """The non-tensor part, to keep on ``ctx``; :meth:`rebuild` joins the two again."""
         return (self.shape, self.dtype, self.bits, self.group_size, self.mixed, self.transform,
-                self.transform_seed, self.zero_exact)
+                self.transform_seed)
 
     @classmethod
     def rebuild(cls, spec: tuple, tensors: Tuple[Tensor, ...]) -> "QuantizedTensor":
-        shape, dtype, bits, group_size, mixed, transform, transform_seed, zero_exact = spec
+        shape, dtype, bits, group_size, mixed, transform, transform_seed = spec
         if mixed:
             data, lo, step, row_bits, offsets = tensors
         else:
             (data, lo, step), row_bits, offsets = tensors, None, None
         return cls(data, lo, step, shape, dtype, bits, group_size, row_bits, offsets, transform,
-                   transform_seed, zero_exact)
+                   transform_seed)
 
     def row_layout(self) -> Tuple[Tensor, Tensor]:
         """(row widths uint8 (N,), row byte offsets int64 (N + 1,)) as the general kernels take
@@ -93,7 +89,7 @@ class QuantizedTensor(CompressedPayload):
         dim 0, a 0-d or 1-d tensor one row)."""
         if self.mixed:
             return self.row_bits, self.offsets
-        from .reference import uniform_offsets  # reference imports nothing of the package
+        from .reference import uniform_offsets  # reference imports only the leaf hash32
 
         n = self.shape[0] if len(self.shape) >= 2 else 1
         d = self.shape.numel() // n if n else 0
@@ -104,7 +100,7 @@ class QuantizedTensor(CompressedPayload):
         width = "mixed" if self.mixed else f"{self.bits}"
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={width}, "
                 f"group_size={self.group_size}, transform={self.transform}, "
-                f"zero_exact={self.zero_exact}, nbytes={self.nbytes})")
+                f"nbytes={self.nbytes})")
 
 
 @dataclass(frozen=True)
