@@ -23,6 +23,7 @@ the payloads autograd holds remain.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -311,7 +312,10 @@ class CompressedStore:
             claim[0].fulfil(q)
         if owner is None:
             owner = tensor_base(x) if tensor_base(x) is not None else x
-        self._cache[key] = (weakref.ref(owner), q)
+        # The entry goes when the owner does: the payload then lives exactly as long as the
+        # saved objects autograd keeps, so nothing outlives its backward, also when one
+        # store spans several micro-batches (``capturing`` around gradient accumulation).
+        self._cache[key] = (weakref.ref(owner, functools.partial(_evict, self._cache, key)), q)
         return q
 
     @_eager
@@ -404,6 +408,9 @@ class CompressedStore:
         if self._is_kept(ptr):
             stats._pass("saved by a zoo Function", t)
             return t
+        if is_weight(t):
+            stats._pass("parameter or buffer", t)
+            return t
         if self._skip is None or (self._refresh and ptr not in self._skip):
             self._skip, self._refresh = self._storages()
         if ptr in self._skip:
@@ -436,6 +443,47 @@ class CompressedStore:
             stats.compressed += 1
             stats.compressed_bytes += t.numel() * t.element_size()
         return _Compressed(q, perm)
+
+
+def _evict(cache: Dict[tuple, Any], key: tuple, _ref: Any) -> None:
+    """Weak-reference callback: the owner of a cached payload's memory is gone."""
+    cache.pop(key, None)
+
+
+# Autograd nodes that pass a tensor's values through unchanged or only cast or re-view them:
+# a saved tensor reached from a Parameter through these alone is that weight.
+_WEIGHT_PATH = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "TransposeBackward1",
+    "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+    "ExpandBackward0", "AliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "SqueezeBackward2", "SliceBackward0", "SelectBackward0",
+    "NarrowBackward0", "UnbindBackward0", "SplitBackward0", "SplitWithSizesBackward0"})
+
+
+def is_weight(t: Tensor, depth: int = 8) -> bool:
+    """Whether ``t`` is a weight rather than an activation: an ``nn.Parameter``, a view of one,
+    or reached from one through casts and views alone (autocast's lower-precision copy of a
+    weight: ``ToCopyBackward0`` -> ``AccumulateGrad`` of the Parameter). Decided by what the
+    tensor is, not whose storage it shares, so a weight outside the converted model (a head
+    used inside ``capturing``) and a weight cast by autocast are kept exact like the model's
+    own. Not recognised: a cast of a frozen Parameter (no autograd history; stated in
+    docs/design.md)."""
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    base = tensor_base(t)
+    if base is not None and isinstance(base, torch.nn.Parameter):
+        return True
+    fn = t.grad_fn
+    for _ in range(depth):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return isinstance(fn.variable, torch.nn.Parameter)
+        if name not in _WEIGHT_PATH or not fn.next_functions:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
 
 
 def _plain(x: Tensor, bits: Bits, group_size: int, rounding: str) -> QuantizedTensor:
