@@ -9,7 +9,7 @@ attributes, QConv's padding widths come from ``padding`` / ``kernel_size`` / ``d
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -65,18 +65,18 @@ def clone_module_state(src: nn.Module, dst: nn.Module, skip: tuple = ()) -> None
         state[key] = value.copy() if copy else value  # type: ignore[union-attr]
 
 
-def saved_by_checkpoint(hook_file: str, depth: int = 2) -> bool:
+def saved_by_checkpoint(hook_files: Tuple[str, ...], depth: int = 2) -> bool:
     """Whether the tensor a saved-tensor pack hook is packing now is being saved by
     ``torch.utils.checkpoint`` itself: the inputs of a checkpointed segment, from which its
     recomputation runs (non-reentrant: ``_CheckpointFrame.save_inputs``; reentrant: its
     Function's ``save_for_backward``). torch has no public way to tell; the callers' frames do:
-    above the hook's own frames (those of ``hook_file``) one of the next ``depth`` Python
+    above the hook's own frames (those of ``hook_files``) one of the next ``depth`` Python
     frames belongs to torch/utils/checkpoint.py, whereas a regular op is called from model
     code. Why it matters: a compressed segment input makes the recomputation run from other
     values than the forward did, so its masks and statistics no longer match the loss
     (measured: 7% error in a conv bias gradient at 8 bits)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == hook_file:
+    while frame is not None and frame.f_code.co_filename in hook_files:
         frame = frame.f_back
     return _checkpoint_frame_within(frame, depth)
 

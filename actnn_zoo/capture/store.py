@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
+from .. import _compile
 from .._compile import eager as _eager
 from .._torch_private import (inside_checkpoint, saved_by_checkpoint, tensor_base,
                               tensor_version)
@@ -44,6 +45,9 @@ from .session import current_observer
 __all__ = ["CompressedStore", "CaptureStats", "ZeroCodeSlot", "ZeroCodeClaim", "dense_order"]
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
+# The files of the pack hook's own frames (this module and the eager wrapper around it), which
+# saved_by_checkpoint looks above
+_HOOK_FILES = (__file__, _compile.__file__)
 
 
 @dataclass
@@ -419,7 +423,7 @@ class CompressedStore:
         if t.dtype != torch.bool and t.dtype not in COMPRESSIBLE:
             stats._pass("float64" if t.dtype == torch.float64 else "integer", t)
             return t
-        if saved_by_checkpoint(__file__):  # a segment's input: its recomputation reads it
+        if saved_by_checkpoint(_HOOK_FILES):  # a segment's input: its recomputation reads it
             stats._pass("checkpoint input", t)
             return t
         perm = dense_order(t)
