@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from .data import (Digits, TextCorpus, iterate_minibatches, load_digits_data, load_text_corpus,
                    random_windows, sequential_windows)
-from .memory import (StepSpec, apply_mode, build_step, interleaved_step_times,
-                     saved_activation_bytes, spec_peak_memory)
+from .bench import StepSpec, apply_mode, build_step, interleaved_step_times, spec_peak_memory
+from .memory import saved_activation_bytes
 from .models import CharTransformer, DigitsResNet
 
 MODES = ("fp32", "bits", "checkpoint")

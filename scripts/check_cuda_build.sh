@@ -6,6 +6,8 @@
 #   scripts/check_cuda_build.sh            # uses .venv/bin/python (or $PYTHON) and nvcc on PATH
 #   NVCC=/usr/local/cuda/bin/nvcc ARCHS="80 90" scripts/check_cuda_build.sh
 #   WERROR=0 NVCC_EXTRA="-Xptxas=-v" scripts/check_cuda_build.sh   # warnings allowed; reg. usage
+#   ARCHS=90 JOBS=2 scripts/check_cuda_build.sh      # one architecture, two files at a time
+#                                                    # (what tests/test_cuda_build.py runs)
 #
 # Warnings (and register spills, via -Xptxas=-warn-spills) are errors unless WERROR=0.
 #
@@ -75,19 +77,34 @@ for a in $ARCHS; do GENCODE+=("-gencode=arch=compute_$a,code=sm_$a"); done
 "$NVCC" --version | tail -n 2
 CUOBJDUMP="$(command -v cuobjdump || true)"
 [ -z "$CUOBJDUMP" ] && [ -n "$NVCC_REAL" ] && [ -x "$NVCC_REAL/bin/cuobjdump" ] && CUOBJDUMP="$NVCC_REAL/bin/cuobjdump"
-# Every CUDA source of the extension (CU_FILES overrides: a space-separated list of paths).
-for CU in ${CU_FILES:-cpp_ext/*.cu}; do
+# Every CUDA source of the extension (CU_FILES overrides: a space-separated list of paths);
+# JOBS files at a time (default 1; each nvcc run takes one core for minutes).
+compile_one() {
+  local CU="$1" OBJ
   OBJ="$OUT_DIR/$(basename "${CU%.cu}").o"
-  CMD=("$NVCC" -c "$CU" -o "$OBJ"
+  local CMD=("$NVCC" -c "$CU" -o "$OBJ"
        "-I$ROOT/cpp_ext" "${EXTRA_INC[@]}" -isystem "$CUDA_INC" "${TORCH_FLAGS[@]}"
        --compiler-options "-fPIC" -std=c++20
        -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H
        -O3 --fmad=false -DACTNN_ZOO_CUDA
        "${GENCODE[@]}" "${STRICT[@]}" ${NVCC_EXTRA:-})
   echo "+ ${CMD[*]}"
-  "${CMD[@]}"
+  "${CMD[@]}" || { echo "check_cuda_build: FAILED: $CU" >&2; return 1; }
   echo "check_cuda_build: OK: $OBJ ($(stat -c %s "$OBJ") bytes) for sm_${ARCHS// /, sm_}"
   if [ -n "$CUOBJDUMP" ]; then
     "$CUOBJDUMP" --list-elf "$OBJ" || true
   fi
+}
+JOBS="${JOBS:-1}"
+FAILED=0
+PIDS=()
+for CU in ${CU_FILES:-cpp_ext/*.cu}; do
+  if [ "${#PIDS[@]}" -ge "$JOBS" ]; then
+    wait "${PIDS[0]}" || FAILED=1
+    PIDS=("${PIDS[@]:1}")
+  fi
+  compile_one "$CU" &
+  PIDS+=($!)
 done
+for PID in "${PIDS[@]}"; do wait "$PID" || FAILED=1; done
+exit "$FAILED"

@@ -12,6 +12,7 @@ import io
 import os
 import pickle
 import tempfile
+import time
 
 import pytest
 import torch
@@ -220,11 +221,29 @@ def _dist_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+RANKS_TIMEOUT_S = 300  # measured ~20 s on 2 busy cores; a hung rank must not hang the run
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> list:
+    """Both ranks' results. A rank that hangs (a gloo peer lost in a collective) is killed
+    after RANKS_TIMEOUT_S and the tests fail: a plain ``mp.spawn(join=True)`` would wait
+    forever, and its non-daemon children would keep pytest from exiting even after a
+    per-test timeout."""
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "rendezvous")
-        mp.spawn(_dist_worker, args=(2, init, d), nprocs=2, join=True)
+        ctx = mp.start_processes(_dist_worker, args=(2, init, d), nprocs=2, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + RANKS_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    pytest.fail(f"the gloo ranks did not finish in {RANKS_TIMEOUT_S} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
         return [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(2)]
 
 

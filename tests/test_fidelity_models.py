@@ -10,7 +10,7 @@ weights, one draw), 20 SGD steps stay finite with the gradient norm within 10x t
 the Linear/Conv weight gradients are unbiased (mean of K draws). The CNN runs the 2-bit default;
 the transformer needs ``transform: hadamard`` for the first (its final LayerNorm saves a
 normalized input whose 4 outlier features set every group's step: cosine 0.855 without the
-transform, 0.988 with it, measured; the default's figure is pinned below so a change shows)."""
+transform, 0.988 with it, measured; the default's figure has a lower bound below)."""
 from __future__ import annotations
 
 import copy
@@ -155,16 +155,16 @@ def test_norm_input_gradients_follow_fp32_at_two_bits(name):
 
 
 def test_outlier_transformer_without_the_transform_is_what_the_transform_fixes():
-    """The 2-bit default without the transform: the LayerNorm input-gradient cosine is lower
-    (measured 0.855-0.868 over 3 draws; asserted < 0.95 and > 0.7): the outlier features, not
-    the norms' backward, limit it."""
+    """The 2-bit default without the transform still follows fp32 (measured cosine 0.855-0.868
+    over 3 draws, below the transform's 0.988: the outlier features, not the norms' backward,
+    limit it). A lower bound only: a better default must not fail the test."""
     ref, q = _pair("transformer", {"bits": 2})
     x, y = _batch("transformer", 1)
     _, exact, _ = _run(ref, x, y, nn.LayerNorm)
     torch.manual_seed(0)
     _, got, _ = _run(q, x, y, nn.LayerNorm)
     worst = min(_cos(got[k], exact[k]) for k in exact)
-    assert 0.7 < worst < 0.95, worst
+    assert worst > 0.7, worst
 
 
 @pytest.mark.parametrize("name", list(BUILD))

@@ -19,8 +19,6 @@ from actnn_zoo.nn import QModule
 from _checks_b import (assert_identical, cosine, q2, q8, quantized_bytes, run, saved_bytes,
                        unbiasedness)
 
-pytestmark = pytest.mark.filterwarnings("ignore:actnn_zoo. using the slow")
-
 
 def _input(shape=(4, 3, 6, 7), dtype=torch.float32, channels_last=False, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

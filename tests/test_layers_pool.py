@@ -16,8 +16,6 @@ from actnn_zoo.nn import QModule
 
 from _checks_b import assert_identical, run, saved_bytes
 
-pytestmark = pytest.mark.filterwarnings("ignore:actnn_zoo. using the slow")
-
 
 def _q(float_mod: nn.Module) -> QModule:
     return getattr(qnn, "Q" + type(float_mod).__name__).from_float(float_mod)

@@ -24,9 +24,6 @@ from torch import Tensor, nn
 import actnn_zoo as az
 from actnn_zoo.memory import saved_activation_bytes
 
-pytestmark = pytest.mark.filterwarnings("ignore:actnn_zoo. using the slow")
-
-
 def cos(a: Tensor, b: Tensor) -> float:
     return F.cosine_similarity(a.detach().double().flatten(), b.detach().double().flatten(),
                                dim=0).item()

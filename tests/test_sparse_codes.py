@@ -16,10 +16,12 @@ from actnn_zoo.quant import (SampleBits, SparseQuantizedTensor, dequantize_spars
                              quantize_sparse, unpack_mask)
 from actnn_zoo.quant import reference as R
 from actnn_zoo.quant.api import masked_grad
-from actnn_zoo.quant.backend import extension
+from _ext import compiled_extension  # tests/_ext.py: skip here, fail in CI when not built
 
-needs_ext = pytest.mark.skipif(extension() is None or not hasattr(extension(), "quantize_sparse"),
-                               reason="compiled extension (with sparse kernels) not built")
+
+def extension():
+    """The compiled sparse kernels (skips without them; fails in CI)."""
+    return compiled_extension("quantize_sparse", "dequantize_sparse")
 
 
 def relu_like(n: int, d: int, seed: int, zero_frac: float = 0.5, dtype=torch.float32):
@@ -35,7 +37,6 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
-@needs_ext
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 5), d=st.integers(1, 700), group=st.sampled_from([8, 32, 64, 256]),
        widths=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=5, max_size=5),
@@ -185,7 +186,6 @@ def test_bad_input():
         dequantize_sparse(quantize(x, 2))
 
 
-@needs_ext
 def test_corrupted_offsets_are_refused():
     x = relu_like(2, 64, seed=0)
     q = quantize_sparse(x, 2, 64, seed=0)

@@ -9,7 +9,6 @@ conversion keeps every parameter and buffer, and restore gives the original clas
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Callable, List, Tuple
 
 import pytest
@@ -31,9 +30,6 @@ REL_8BIT = 0.03   # ||g_q - g|| / ||g|| with 8-bit saved tensors
 COS_2BIT = 0.5    # cosine(g_q, g) with 2-bit saved tensors, one draw
 COS_2BIT_MEAN = 0.95  # cosine of the mean of K_DRAWS 2-bit draws (unbiased: noise averages out)
 K_DRAWS = 16
-
-warnings.filterwarnings("ignore", message=".*reference.*", category=RuntimeWarning)
-
 
 def _convert(mod: nn.Module, bits: int) -> nn.Module:
     """Convert ``mod`` inside a Sequential (so the report lives on the root); capture off, so

@@ -27,9 +27,10 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
+from ._autocast import no_autocast
 from ._saving import (compress, dequantize_rows, large_input, load, restore, sample_chunks,
                       save)
-from .linear import cast, dtype_of, guard_second_order, memory_format_of, no_autocast
+from .linear import cast, dtype_of, guard_second_order, memory_format_of
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}

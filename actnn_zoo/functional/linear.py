@@ -15,8 +15,7 @@ differentiates through it, instead of returning a silently wrong gradient.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
+from ._autocast import no_autocast
 from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
 
 # float64 is compressed through a float32 copy (``_saving.compress``); see check_compressible.
@@ -75,15 +75,6 @@ def cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
     if t is None or dtype is None or t.dtype == dtype:
         return t
     return t.to(dtype)
-
-
-def no_autocast(device_type: str) -> ContextManager[Any]:
-    """``torch.autocast(device_type, enabled=False)`` where autocast is on for that device type,
-    else a no-op context. A backward runs its ops in the dtypes its forward chose; entering a
-    disabled autocast costs more than the rest of a small layer's backward glue together."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def dtype_of(t: Optional[Tensor]) -> Optional[torch.dtype]:
