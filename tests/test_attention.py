@@ -22,6 +22,8 @@ from actnn_zoo.functional.attention import (ScaledDotProductAttentionFunction,
                                             scaled_dot_product_attention)
 from actnn_zoo.quant.api import draw_seed
 
+from _ext import compiled_extension
+
 Q8 = LayerQConfig(bits=8)
 Q8N = LayerQConfig(bits=8, rounding="nearest")
 HYP = settings(max_examples=150, deadline=None, derandomize=True,
@@ -479,6 +481,24 @@ def test_dropout_mask_statistics_and_independent_of_tiling():
             outs.append(scaled_dot_product_attention(q, k, v, dropout_p=p))
     torch.testing.assert_close(outs[0], outs[2], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(outs[1], outs[2], rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 31 - 1), p=st.floats(0.01, 0.99), L=st.integers(1, 40),
+       S=st.integers(1, 70), data=st.data())
+def test_dropout_kernel_equals_torch_program(seed, p, L, S, data):
+    """The compiled CPU keep-mask (one call per tile) is the torch program's, bit for bit, for
+    any tile, also past 2^32 rows (the row's high word enters the hash)."""
+    compiled_extension("attention_keep")
+    drop = attn._Dropout(seed, p, L, S, torch.device("cpu"))
+    big = data.draw(st.booleans())
+    base = (1 << 32) // L + 3 if big else 0  # rows n * L + r around 2^32 when big
+    n0 = base + data.draw(st.integers(0, 5))
+    n1 = n0 + data.draw(st.integers(0, 4))
+    r0 = data.draw(st.integers(0, L))
+    r1 = data.draw(st.integers(r0, L))
+    cols = data.draw(st.integers(0, S))
+    assert torch.equal(drop.keep(n0, n1, r0, r1, cols), drop.keep_torch(n0, n1, r0, r1, cols))
 
 
 def test_dropout_hash_matches_reference():

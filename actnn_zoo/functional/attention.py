@@ -100,7 +100,6 @@ Second derivatives (``create_graph=True``) raise. Without anything to differenti
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -112,6 +111,10 @@ from .._torch_private import tensor_version
 from ..config import LayerQConfig
 from ..quant import Bits
 from ..quant.api import draw_seed
+from ..quant.backend import extension
+from ..quant.hash32 import fmix32_int as _fmix32_int
+from ..quant.hash32 import fmix32_int32_ as _fmix32_  # int32, in place: ~4x int64's speed
+from ._autocast import no_autocast as _no_autocast
 from ._saving import compress, load, restore, save
 from .activation import no_double_backward
 
@@ -126,43 +129,12 @@ BLOCK_ELEMENTS = 1 << 20
 _EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}  # exp() still a normal number
 
 _M32 = 0xFFFFFFFF
-# murmur3's fmix32 multipliers as signed 32-bit values (c - 2^32).
-_C1 = 0x85EBCA6B - (1 << 32)
-_C2 = 0xC2B2AE35 - (1 << 32)
 _I32_MIN = -(1 << 31)
 
 
 # ----------------------------------------------------------------------------------------------
 # Dropout: a counter-based hash, the same for any tiling and on any device
 # ----------------------------------------------------------------------------------------------
-def _fmix32_(x: Tensor, tmp: Optional[Tensor] = None) -> Tensor:
-    """murmur3's 32-bit finalizer, in place, on int32 tensors holding the 32 bits of each value
-    (two's complement). torch's int32 multiply wraps modulo 2^32 on CPU and CUDA, and the
-    logical shift is an arithmetic shift masked to the low bits (tests/test_attention.py
-    checks the result against Python ints). int32 is ~4x faster than the same in int64 (half
-    the memory traffic, and the shifts vectorise)."""
-    tmp = torch.empty_like(x) if tmp is None else tmp
-    torch.bitwise_right_shift(x, 16, out=tmp)
-    x ^= tmp.bitwise_and_(0xFFFF)
-    x.mul_(_C1)
-    torch.bitwise_right_shift(x, 13, out=tmp)
-    x ^= tmp.bitwise_and_(0x7FFFF)
-    x.mul_(_C2)
-    torch.bitwise_right_shift(x, 16, out=tmp)
-    x ^= tmp.bitwise_and_(0xFFFF)
-    return x
-
-
-def _fmix32_int(x: int) -> int:
-    """The same finalizer on a Python int (the reference, and the seed's own mixing)."""
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & _M32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & _M32
-    return x ^ (x >> 16)
-
-
 def _as_int32(x: Tensor) -> Tensor:
     """int64 values in [0, 2^32) -> int32 tensors with the same 32 bits."""
     return torch.where(x >= (1 << 31), x - (1 << 32), x).to(torch.int32)
@@ -177,20 +149,40 @@ class _Dropout:
     structure between rows."""
 
     def __init__(self, seed: int, p: float, L: int, S: int, device: torch.device) -> None:
-        self.L = L
+        self.L, self.S = L, S
         # kept when the unsigned hash < threshold; compared as signed after flipping the sign
         # bit (p > 0 here, so threshold <= 2^32 - 1 and threshold - 2^31 fits in int32)
-        threshold = min((1 << 32) - 1, max(0, int(round((1.0 - p) * 2.0 ** 32))))
-        self.signed_threshold = threshold - (1 << 31)
+        self.threshold = min((1 << 32) - 1, max(0, int(round((1.0 - p) * 2.0 ** 32))))
+        self.signed_threshold = self.threshold - (1 << 31)
         self.scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
-        s1 = _fmix32_int(seed ^ 0x9E3779B9)
+        self.s1 = _fmix32_int(seed ^ 0x9E3779B9)
         self.s2 = _fmix32_int(seed ^ 0x68E31DA4)
-        col = torch.arange(S, dtype=torch.int64, device=device) ^ s1
-        self.col = _fmix32_(_as_int32(col))
+        # On the CPU one compiled call per tile (the torch program below costs ~15 small ops
+        # of dispatch per tile); elsewhere, or without the kernel, the torch program.
+        ext = extension() if device.type == "cpu" else None
+        self._kernel = getattr(ext, "attention_keep", None)
+        self._device = device
+        self._col: Optional[Tensor] = None
+
+    @property
+    def col(self) -> Tensor:
+        """The column hashes ``fmix32(j ^ s1)`` as int32 (the torch program's)."""
+        if self._col is None:
+            col = torch.arange(self.S, dtype=torch.int64, device=self._device) ^ self.s1
+            self._col = _fmix32_(_as_int32(col))
+        return self._col
 
     def keep(self, n0: int, n1: int, r0: int, r1: int, cols: Optional[int] = None) -> Tensor:
         """Bool (n1 - n0, r1 - r0, cols): which probabilities of the tile (keys below ``cols``,
         default all) survive."""
+        if self._kernel is not None:
+            return self._kernel(n0, n1, r0, r1, self.S if cols is None else cols, self.L,
+                                self.s1, self.s2, self.threshold)
+        return self.keep_torch(n0, n1, r0, r1, cols)
+
+    def keep_torch(self, n0: int, n1: int, r0: int, r1: int,
+                   cols: Optional[int] = None) -> Tensor:
+        """:meth:`keep` as a torch program (any device; the compiled kernel's twin)."""
         dev = self.col.device
         rows = (torch.arange(n0, n1, dtype=torch.int64, device=dev)[:, None] * self.L
                 + torch.arange(r0, r1, dtype=torch.int64, device=dev)[None, :])
@@ -486,13 +478,6 @@ def _accumulate(dest: Tensor, index: Optional[Tensor], n0: int, n1: int, tile: T
         dest[n0:n1] += tile
     else:
         dest.index_add_(0, index[n0:n1], tile)
-
-
-def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast off inside the Function (its math is float32 by design); a no-op when off."""
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
