@@ -36,7 +36,8 @@ def test_no_test_filters_out_the_reference_kernel_warning():
     """A filter naming the fallback's message (or a blanket RuntimeWarning filter on
     'reference') in any test file would hide a run on the slow kernels."""
     pattern = re.compile(r"filterwarnings\([^)]*(using the slow|reference)", re.IGNORECASE)
-    offenders = [f"{p.name}:{i}" for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name
+    offenders = [f"{p.name}:{i}" for p in sorted(TESTS.glob("*.py"))
+                 if p.name != Path(__file__).name
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, offenders
 

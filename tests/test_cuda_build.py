@@ -2,10 +2,13 @@
 
 CI has no GPU, so nothing else there reads cpp_ext/*.cu; a change to a header they share with
 the CPU kernels (bf16.h, kernels.h) could break the CUDA build unnoticed until a GPU machine
-builds the package. scripts/check_cuda_build.sh compiles each .cu file to an object with the
-flags of a real CUDA build of actnn_zoo._C, warnings as errors. One architecture (sm_90) keeps
-the test within the CI time budget; the script's default (sm_80 and sm_90) is for a full check.
-Skipped only where nvcc is not installed.
+builds the package. scripts/check_cuda_build.sh compiles each .cu file with the flags of a real
+CUDA build of actnn_zoo._C, warnings as errors. Here only the device code, to PTX for one
+architecture (PTX_ONLY=1, compute_90), two files at a time: every file includes torch's headers,
+and the full compile (host code, SASS for sm_80 and sm_90) took 12 minutes on the 2-core CI
+machine, the device pass alone about a third of that (the host side of the shared headers is
+compiled by the CPU build anyway). Run the script without PTX_ONLY for the full check. Skipped
+only where nvcc is not installed.
 """
 from __future__ import annotations
 
@@ -33,11 +36,11 @@ def _nvcc() -> str | None:
 def test_cuda_sources_compile(tmp_path):
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp_ext").glob("*.cu"))
     assert sources, "no cpp_ext/*.cu found"
-    env = dict(os.environ, NVCC=_nvcc(), ARCHS="90", JOBS="2", OUT_DIR=str(tmp_path),
-               CU_FILES=" ".join(sources), PYTHON=sys.executable)
+    env = dict(os.environ, NVCC=_nvcc(), ARCHS="90", JOBS="2", PTX_ONLY="1",
+               OUT_DIR=str(tmp_path), CU_FILES=" ".join(sources), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "check_cuda_build.sh")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     for src in sources:
-        obj = tmp_path / (Path(src).stem + ".o")
-        assert obj.is_file() and obj.stat().st_size > 0, f"{src}: no object file"
+        ptx = tmp_path / (Path(src).stem + ".ptx")
+        assert ptx.is_file() and ".entry" in ptx.read_text(), f"{src}: no kernel in the PTX"
