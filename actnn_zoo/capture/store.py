@@ -258,6 +258,7 @@ class CompressedStore:
         self._skip: Optional[Set[int]] = None  # listed at the first need
         self._refresh = False
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
+        self._saving: Set[int] = set()  # ids of the tensors keep() was just given
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
         # ReLU-code sharing: ReLU outputs offered (mask saved, learning) and claimed (codes
         # wanted), by memory key; the probe of hooks_innermost
@@ -370,6 +371,9 @@ class CompressedStore:
         for t in tensors:
             if t.layout == torch.strided and t.numel():
                 kept[_storage_ptr(t)] = weakref.ref(t)
+        # the saves that follow at once (ctx.save_for_backward): known by identity, so their
+        # pack is one set lookup (see _pack)
+        self._saving = {id(t) for t in tensors}
 
     def _is_kept(self, ptr: int) -> bool:
         ref = self._kept.get(ptr)
@@ -395,6 +399,12 @@ class CompressedStore:
         return saved
 
     def _pack(self, t: Tensor) -> Any:
+        saving = self._saving
+        if saving and id(t) in saving:  # saved by the zoo Function that just called keep()
+            saving.discard(id(t))
+            self.stats._pass("small" if t.numel() < self.min_numel
+                             else "saved by a zoo Function", t)
+            return t
         if self._probe_ptr is not None and _storage_ptr(t) == self._probe_ptr:
             self._probe_seen = True  # hooks_innermost's probe
             return t
