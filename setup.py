@@ -22,6 +22,7 @@ cuda_sources += ["cpp_ext/division_cuda.cu"]
 cpu_sources += ["cpp_ext/pack_compare_cpu.cpp"]
 cpu_sources += ["cpp_ext/sparse_cpu.cpp"]
 cpu_sources += ["cpp_ext/norm_cpu.cpp"]
+cpu_sources += ["cpp_ext/variance_cpu.cpp"]
 cpu_sources += ["cpp_ext/attention_dropout_cpu.cpp"]
 cuda_sources += ["cpp_ext/pack_compare_cuda.cu"]
 

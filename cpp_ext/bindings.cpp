@@ -20,6 +20,7 @@ void register_division(pybind11::module_& m);  // division_cpu.cpp
 void register_pack_compare(pybind11::module_& m);  // pack_compare_cpu.cpp
 void register_sparse(pybind11::module_& m);  // sparse_cpu.cpp
 void register_norm(pybind11::module_& m);  // norm_cpu.cpp
+void register_variance(pybind11::module_& m);  // variance_cpu.cpp
 void register_attention_dropout(pybind11::module_& m);  // attention_dropout_cpu.cpp
 }  // namespace actnn_zoo
 
@@ -258,6 +259,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   actnn_zoo::register_pack_compare(m);
   actnn_zoo::register_sparse(m);  // quantize_sparse, dequantize_sparse (CPU)
   actnn_zoo::register_norm(m);  // batch_norm_backward_codes (CPU)
+  actnn_zoo::register_variance(m);  // rounding_variance_codes / _correct_, draw_sample (CPU)
   actnn_zoo::register_attention_dropout(m);  // attention_keep (CPU)
   m.def("cpu_isa", &actnn_zoo::cpu_isa,
         "The instruction set the CPU kernels' loops run with: 'avx2' or 'baseline' (portable "

@@ -64,17 +64,18 @@ at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size);
 at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra);
 // The sampled rounding variances of softmax's and the norms' unbiased backward
 // (variance_cpu.cpp; torch twin in actnn_zoo/functional/_rounding_variance.py): the 1-bit codes
-// (data, lo (1, G), step (1, G)) of the variances at flat indices offset + k * stride, and the
-// in-place correction of an input gradient from them; (offset, seed) from torch's CPU generator.
+// of the variances at flat indices offset + k * stride, one uint8 buffer [lo (G bf16) | step
+// (G bf16) | bits], and the in-place correction of an input gradient from them; (offset, seed)
+// from torch's CPU generator.
 std::tuple<int64_t, int64_t> draw_sample_cpu(int64_t stride);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rounding_variance_codes_cpu(
+at::Tensor rounding_variance_codes_cpu(
     const at::Tensor& lo, const at::Tensor& step, const std::optional<at::Tensor>& row_bits,
     int64_t bits, int64_t group_size, const at::Tensor& src,
     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& scale,
     int64_t stat_block, int64_t stat_period, int64_t offset, int64_t stride, int64_t seed);
 at::Tensor rounding_variance_correct_cpu(
-    at::Tensor grad_in, const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo,
-    const at::Tensor& step, int64_t offset, int64_t stride, const std::optional<at::Tensor>& scale,
+    at::Tensor grad_in, const at::Tensor& grad, const at::Tensor& codes, int64_t offset,
+    int64_t stride, const std::optional<at::Tensor>& scale,
     int64_t stat_block, int64_t stat_period, const std::optional<at::Tensor>& weight,
     int64_t weight_block, int64_t weight_period, double divisor);
 

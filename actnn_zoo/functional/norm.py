@@ -46,7 +46,7 @@ from ..quant.norm_backward import (batch_norm_backward_codes, group_norm_backwar
                                    layer_norm_backward_codes, reads_codes)
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
                       restore, sample_chunks, save)
-from ._rounding_variance import add_at, norm_stride, sample_variance, variance_estimate
+from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
 from .linear import cast, dtype_of, first_order_only, memory_format_of, no_autocast
 
 
@@ -123,47 +123,19 @@ def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: Laye
                                             maps=maps)
 
 
-def _normalized_at(xc: Tensor, idx: Tensor, stat_index: Tensor, mean: Tensor,
-                   invstd: Tensor) -> Tensor:
-    """x_hat at flat logical indices ``idx`` of ``xc``, computed as :func:`_normalize` does
-    (float32 result), ``stat_index``: the flat index of each value's statistic in ``mean`` and
-    ``invstd``. The values :func:`_compress_normalized` quantized, for ``sample_variance``."""
-    work = torch.float64 if xc.dtype == torch.float64 else torch.float32
-    m, s = mean.reshape(-1)[stat_index], invstd.reshape(-1)[stat_index]
-    return ((torch.take(xc, idx).to(work) - m.to(work)) * s.to(work)).float()
-
-
-def _variance_sample(ctx, x_q, xc: Tensor, stat_of: "Callable[[Tensor], Tensor]", mean: Tensor,
-                     invstd: Tensor, qconfig: LayerQConfig, m: int):
+def _variance_sample(ctx, x_q, xc: Tensor, stat: Stat, mean: Tensor, invstd: Tensor,
+                     qconfig: LayerQConfig, m: int):
     """Saved for the correction of the input gradient (module docstring, "Bias"): the 1-bit
     codes of sampled rounding variances of x_hat (their offset on ``ctx``), or None when the
-    input needs no gradient or the payload gets no correction. ``stat_of(idx)``: the flat
-    statistic index of each flat logical index of ``xc``; ``m``: values per statistic."""
+    input needs no gradient or the payload gets no correction. x_hat at flat index ``i`` is
+    computed from ``xc`` as :func:`_normalize` does, with the statistic ``stat`` picks
+    (``_rounding_variance.Stat``); ``m``: values per statistic."""
     ctx.var_offset = None
     if x_q is None or not ctx.needs_input_grad[0]:
         return None
-    ctx.var_offset, var = sample_variance(
-        x_q, lambda idx: _normalized_at(xc, idx, stat_of(idx), mean, invstd), qconfig.rounding,
-        norm_stride(m))
+    ctx.var_offset, var = sample_variance(x_q, xc, qconfig.rounding, norm_stride(m),
+                                          shift=mean, scale=invstd, stat=stat)
     return var
-
-
-def _correct(ctx, gi: Optional[Tensor], var, go: Tensor,
-             coef: "Callable[[Tensor], Tensor]") -> Optional[Tensor]:
-    """``gi`` plus ``coef(idx) * g[idx] * Var_hat[idx]`` (float32) at the sampled indices:
-    the bias of the quadratic term removed. ``coef(idx)``: scale * weight / m of each value."""
-    if gi is None:
-        return None
-    est = variance_estimate(ctx.var_offset, var, gi.numel())
-    if est is None:
-        return gi
-    idx, v = est
-    return add_at(gi, idx, torch.take(go, idx).float() * coef(idx).float() * v)
-
-
-def _weight_at(weight: Optional[Tensor], index: Tensor) -> Tensor:
-    return weight.reshape(-1)[index].float() if weight is not None else torch.ones(
-        (), device=index.device)
 
 
 def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype,
@@ -205,7 +177,7 @@ class BatchNormFunction(torch.autograd.Function):
         if _needs_saved_input(ctx, 1):
             x_q = _compress_normalized(xc, _per_channel(mean, xc), _per_channel(invstd, xc),
                                        qconfig, bits, maps=True)
-        var = _variance_sample(ctx, x_q, xc, _channel_of(xc), mean, invstd, qconfig,
+        var = _variance_sample(ctx, x_q, xc, _channel_stat(xc), mean, invstd, qconfig,
                                xc.numel() // max(xc.shape[1], 1) if xc.dim() >= 2 else 1)
         save(ctx, x_q, mean, invstd, weight, var)
         return out
@@ -239,27 +211,18 @@ class BatchNormFunction(torch.autograd.Function):
             elif need_b:
                 gb = go.sum(_channel_dims(go))
             if need_x:
-                gi = _correct(ctx, gi, var, go, _bn_coef(go, invstd, weight, go.numel() // go.shape[1]))
+                ch = _channel_stat(go)
+                gi = correct_(gi, go, ctx.var_offset, var, scale=invstd, weight=weight, stat=ch,
+                              weight_stat=ch, divisor=go.numel() // go.shape[1])
         return (cast(gi, x_dtype) if need_x else None, cast(gw, w_dtype) if need_w else None,
                 cast(gb, b_dtype) if need_b else None) + (None,) * 6
 
 
-def _channel_of(x: Tensor) -> "Callable[[Tensor], Tensor]":
-    """Flat logical index of an (N, C, *spatial) tensor -> its channel."""
+def _channel_stat(x: Tensor) -> Stat:
+    """Flat logical index of an (N, C, *spatial) tensor -> its channel, as a ``Stat``."""
     c = x.shape[1] if x.dim() >= 2 else 1
     hw = x.numel() // (x.shape[0] * c) if x.numel() else 1
-    return lambda idx: (idx // hw) % c
-
-
-def _bn_coef(go: Tensor, invstd: Tensor, weight: Optional[Tensor], m: float
-             ) -> "Callable[[Tensor], Tensor]":
-    """invstd * weight / m of each value (batch norm's quadratic term over m values)."""
-    channel = _channel_of(go)
-
-    def coef(idx: Tensor) -> Tensor:
-        ch = channel(idx)
-        return invstd.reshape(-1)[ch].float() * _weight_at(weight, ch) / m
-    return coef
+    return max(hw, 1), c
 
 
 def _bn_backward_by_chunks(go: Tensor, x_q: QuantizedTensor, invstd: Tensor,
@@ -359,7 +322,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if _needs_saved_input(ctx, 1):
             x_q = _compress_normalized(xc, _per_channel(mean, xc), _per_channel(invstd, xc),
                                        qconfig, bits, maps=True)
-        var = _variance_sample(ctx, x_q, xc, _channel_of(xc), mean, invstd, qconfig,
+        var = _variance_sample(ctx, x_q, xc, _channel_stat(xc), mean, invstd, qconfig,
                                xc.numel() // max(xc.shape[1], 1) if xc.dim() >= 2 else 1)
         save(ctx, x_q, mean, invstd, weight, var)
         return out
@@ -393,7 +356,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
                     scale = invstd if weight is None else invstd * weight.float()
                     gi = (go - mean_dy.view(shape)
                           - xmu * (invstd * invstd * mean_dy_xmu).view(shape)) * scale.view(shape)
-                    gi = _correct(ctx, gi, var, go, _bn_coef(go, invstd, weight, ctx.count))
+                    ch = _channel_stat(go)
+                    gi = correct_(gi, go, ctx.var_offset, var, scale=invstd, weight=weight,
+                                  stat=ch, weight_stat=ch, divisor=ctx.count)
         return (cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype)) + (None,) * 8
 
 
@@ -415,7 +380,7 @@ class LayerNormFunction(torch.autograd.Function):
         if _needs_saved_input(ctx, 2):
             x_q = _compress_normalized(xc, mean, rstd, qconfig, bits, maps=False)
         m = math.prod(shape)
-        var = _variance_sample(ctx, x_q, xc, lambda idx: idx // m, mean, rstd, qconfig, m)
+        var = _variance_sample(ctx, x_q, xc, (m, 0), mean, rstd, qconfig, m)
         save(ctx, x_q, mean, rstd, weight, bias, var)
         return out
 
@@ -449,20 +414,14 @@ class LayerNormFunction(torch.autograd.Function):
                 gb = go.sum(list(range(lead))) if lead else go
             if need_x:
                 m = math.prod(ctx.normalized_shape)
-                gi = _correct(ctx, gi, var, go, lambda idx: rstd.reshape(-1)[idx // m].float()
-                              * _weight_at(weight, idx % m) / m)
+                gi = correct_(gi, go, ctx.var_offset, var, scale=rstd, weight=weight,
+                              stat=(m, 0), weight_stat=(1, m), divisor=m)
         return (cast(gi, x_dtype) if need_x else None, None,
                 cast(gw, w_dtype) if need_w else None, cast(gb, b_dtype) if need_b else None,
                 None, None, None)
 
 
 # -- GroupNorm ----------------------------------------------------------------------------------
-def _group_of(n: int, c: int, hxw: int, groups: int) -> "Callable[[Tensor], Tensor]":
-    """Flat logical index of an (N, C, *spatial) tensor -> its (sample, group) row."""
-    per = max(c // groups, 1)
-    return lambda idx: (idx // (c * hxw)) * groups + ((idx // hxw) % c) // per
-
-
 class GroupNormFunction(torch.autograd.Function):
     """Group norm; saves compress(x), per-(sample, group) mean and rstd, and the weight."""
 
@@ -485,8 +444,8 @@ class GroupNormFunction(torch.autograd.Function):
             x_q = _compress_normalized(xc, _per_group(mean, xc, num_groups),
                                        _per_group(rstd, xc, num_groups), qconfig, bits,
                                        maps=True)
-        var = _variance_sample(ctx, x_q, xc, _group_of(n, c, hxw, num_groups), mean, rstd,
-                               qconfig, (c // num_groups) * hxw)
+        m = (c // num_groups) * hxw  # values per (sample, group): x's flat index // m
+        var = _variance_sample(ctx, x_q, xc, (max(m, 1), 0), mean, rstd, qconfig, m)
         save(ctx, x_q, mean, rstd, weight, var)
         return out
 
@@ -519,9 +478,9 @@ class GroupNormFunction(torch.autograd.Function):
             elif need_b:
                 gb = go.sum(_channel_dims(go))
             if need_x:
-                group_of, m = _group_of(n, c, hxw, g), (c // g) * hxw
-                gi = _correct(ctx, gi, var, go, lambda idx: rstd.reshape(-1)[group_of(idx)].float()
-                              * _weight_at(weight, (idx // hxw) % c) / m)
+                m = (c // g) * hxw
+                gi = correct_(gi, go, ctx.var_offset, var, scale=rstd, weight=weight,
+                              stat=(max(m, 1), 0), weight_stat=(max(hxw, 1), c), divisor=m)
         return (cast(gi, x_dtype) if need_x else None, None,
                 cast(gw, w_dtype) if need_w else None, cast(gb, b_dtype) if need_b else None,
                 None, None, None)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
-from ._rounding_variance import add_at, norm_stride, sample_variance, variance_estimate
+from ._rounding_variance import correct_, norm_stride, sample_variance
 from ._saving import compress, load, restore, save
 from .linear import cast, dtype_of, first_order_only, no_autocast
 from .norm import _needs_saved_input
@@ -91,8 +91,7 @@ class RMSNormFunction(torch.autograd.Function):
             n32 = n.to(torch.float32)
             n_q = compress(n32, qconfig, bits, maps=False)
             if ctx.needs_input_grad[0]:  # for the unbiased correction of grad_x
-                ctx.var_offset, var = sample_variance(n_q, lambda idx: torch.take(n32, idx),
-                                                      qconfig.rounding,
+                ctx.var_offset, var = sample_variance(n_q, n32, qconfig.rounding,
                                                       norm_stride(math.prod(normalized_shape)))
             del n32
         del n
@@ -117,12 +116,10 @@ class RMSNormFunction(torch.autograd.Function):
                 if need_x:
                     g = go if weight is None else go * weight.to(work)
                     gi = rstd * (g - n * (g * n).mean(ctx.dims, keepdim=True))
-                    est = variance_estimate(ctx.var_offset, var, gi.numel())
-                    if est is not None:  # + rstd g_i Var(n_hat_i) / m (module docstring)
-                        m = math.prod(go.shape[go.dim() - len(ctx.dims):])
-                        idx, v = est
-                        add_at(gi, idx, torch.take(rstd.expand_as(gi), idx)
-                               * torch.take(g.expand_as(gi), idx) * v.to(work) / m)
+                    # + rstd w_i go_i Var(n_hat_i) / m (module docstring)
+                    m = math.prod(go.shape[go.dim() - len(ctx.dims):])
+                    gi = correct_(gi, go, ctx.var_offset, var, scale=rstd,
+                                  weight=weight, stat=(m, 0), weight_stat=(1, m), divisor=m)
         return (cast(gi, x_dtype) if need_x else None, cast(gw, w_dtype) if need_w else None,
                 None, None, None, None, None)
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits
-from ._rounding_variance import add_at, sample_variance, variance_estimate
+from ._rounding_variance import correct_, sample_variance
 from ._saving import compress, load, restore, save
 from .activation import no_double_backward
 
@@ -57,8 +57,7 @@ class SoftmaxFunction(torch.autograd.Function):
         yq = y if y.dtype != torch.float64 else y.float()
         q = compress(yq, qconfig, bits, maps=_maps(ctx.dim, y))
         # the rounding variance of y_hat, for the unbiased correction in backward
-        ctx.var_offset, var = sample_variance(q, lambda idx: torch.take(yq, idx),
-                                              qconfig.rounding)
+        ctx.var_offset, var = sample_variance(q, yq, qconfig.rounding)
         save(ctx, q, var)
         return y
 
@@ -71,10 +70,8 @@ class SoftmaxFunction(torch.autograd.Function):
         y = y.to(work)
         g = grad.to(work)
         grad_in = y * (g - (g * y).sum(ctx.dim, keepdim=True))
-        est = variance_estimate(ctx.var_offset, var, grad_in.numel())
-        if est is not None:  # + g_i Var(y_hat_i): E[y_hat_i^2] = y_i^2 + Var(y_hat_i)
-            idx, v = est
-            add_at(grad_in, idx, torch.take(g, idx) * v.to(work))
+        # + g_i Var(y_hat_i): E[y_hat_i^2] = y_i^2 + Var(y_hat_i)
+        grad_in = correct_(grad_in, g, ctx.var_offset, var)
         return grad_in.to(ctx.in_dtype), None, None, None
 
 
