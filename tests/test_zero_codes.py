@@ -90,7 +90,7 @@ def test_relu_without_compressing_consumer_keeps_its_mask():
 
 def _claimed_payloads(model, x):
     """The payloads handed to ReLU claims during one forward + backward of ``model``."""
-    from actnn_zoo.capture.store import ZeroCodeClaim
+    from actnn_zoo._session import ZeroCodeClaim
 
     seen = []
     orig = ZeroCodeClaim.fulfil

@@ -6,10 +6,10 @@ to the zoo's autograd Functions (tier 2, :mod:`.handlers`) and compresses every 
 op saves (tier 3, :mod:`.store`), compressing each tensor once however many ops save it. See
 docs/design.md, "Capture everything a model saves".
 """
+from .._session import active_session, observing
 from .attach import (CAPTURE_ATTR, MIN_NUMEL, Capture, CaptureSession, attach_capture,
                      capture_report, capturing, checkpoint_context, detach_capture)
 from .handlers import HANDLERS
-from .session import active_session, observing
 from .store import CaptureStats, CompressedStore
 
 __all__ = ["Capture", "CaptureSession", "CaptureStats", "CompressedStore", "HANDLERS",

@@ -17,11 +17,12 @@ from typing import Any, Callable, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from .. import _session as S
+from .._session import ZeroCodeSlot
 from ..config import LayerQConfig, QuantConfig
-from . import session as S
 from .handlers import HANDLERS
 from .mode import CaptureMode, in_routed_segment, routed_segment
-from .store import CaptureStats, CompressedStore, ZeroCodeSlot
+from .store import CaptureStats, CompressedStore
 
 __all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
            "capturing", "checkpoint_context", "CAPTURE_ATTR", "MIN_NUMEL"]

@@ -33,16 +33,18 @@ from torch import Tensor
 
 from .. import _compile
 from .._compile import eager as _eager
+from .._session import (ZeroCodeClaim, ZeroCodeSlot, current_observer, dense_order, save_probe,
+                        storage_ptr as _storage_ptr)
 from .._torch_private import (inside_checkpoint, saved_by_checkpoint, tensor_base,
                               tensor_version)
 from ..config import LayerQConfig
+from ..functional._saving import quantizer_for
 from ..quant import Bits, QuantizedTensor, pack_mask, quantize, unpack_mask
 from ..quant.sparse import quantize_sparse
 from ..quant.tensor import SparseQuantizedTensor
 from ..quant.division import Payload, decompress, uses_division
-from .session import current_observer
 
-__all__ = ["CompressedStore", "CaptureStats", "ZeroCodeSlot", "ZeroCodeClaim", "dense_order"]
+__all__ = ["CompressedStore", "CaptureStats"]
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
 # The files of the pack hook's own frames (this module and the eager wrapper around it), which
@@ -92,82 +94,6 @@ def _memory_key(x: Tensor) -> tuple:
             tensor_version(x))
 
 
-class ZeroCodeSlot:
-    """What a ReLU module learned about the consumer of its output: whether it compresses it.
-
-    ReLU's mask (1 bit per value) is redundant when the next layer compresses the same output
-    anyway (a conv, a linear): stored as sparse codes (``quantize_sparse``: the mask plus codes
-    of the nonzeros), the consumer's payload holds exactly ReLU's mask, so ReLU reads its
-    backward from it and saves nothing of its own (docs/design.md, "ReLU reads its consumer's
-    codes"). CPU only: sparse codes have no CUDA kernels yet, so ReLUs elsewhere keep masks.
-    A forward in which the output was compressed plainly by a later save turns this on
-    for the next forwards; one in which nothing compressed it (the consumer is a max-pool, or
-    compresses with DIVISION or a rotation) turns it off.
-    """
-
-    __slots__ = ("enabled", "waiting", "probed")
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self.probed = False  # ran in a capture session (see CompressedStore.hooks_innermost)
-        # set by the ReLU Function, registered with the store by its caller once the output
-        # is final (an in-place ReLU's output gets its version bump when the Function returns)
-        self.waiting: Optional[Tuple[str, Optional["ZeroCodeClaim"]]] = None
-
-    def register(self, out: Tensor, store: "CompressedStore") -> None:
-        waiting, self.waiting = self.waiting, None
-        if waiting is None:
-            return
-        kind, claim = waiting
-        if kind == "claim" and claim is not None:
-            store.claim(out, claim, self)
-        else:
-            store.offer(out, self)
-
-
-class ZeroCodeClaim:
-    """A ReLU's claim on the compressed copy of its output, kept on its autograd ctx.
-
-    The first save that compresses the output plainly in this forward quantizes it as sparse
-    codes at its own widths and hands the payload here. If none does by the end of the
-    forward, the output (kept alive meanwhile) is packed into ReLU's 1-bit mask instead, in
-    memory order.
-    """
-
-    __slots__ = ("out", "version", "q", "mask")
-
-    def __init__(self, out: Tensor) -> None:
-        self.out: Optional[Tensor] = out
-        self.version = -1  # set when the store registers it
-        self.q: Optional[SparseQuantizedTensor] = None
-        self.mask: Optional[Tuple[Tensor, torch.Size, Tuple[int, ...]]] = None
-
-    def fulfil(self, q: SparseQuantizedTensor) -> None:
-        self.q, self.out = q, None
-
-    def fall_back(self) -> None:
-        """The mask from the output (threshold_backward's predicate: not ``<= 0``); an output
-        changed in place since ReLU leaves neither, and backward then raises."""
-        out, self.out = self.out, None
-        if out is None or tensor_version(out) != self.version:
-            return
-        perm = dense_order(out)
-        if perm is None:
-            out, perm = out.contiguous(), tuple(range(out.dim()))
-        m = ~(out.detach().permute(perm) <= 0)
-        self.mask = (pack_mask(m), m.shape, perm)
-
-
-def save_probe(store: Optional["CompressedStore"] = None) -> None:
-    """One tiny op that saves a tensor (two 2-element saves); ``store``: note its storage so
-    that the store's pack hook can tell whether it saw it."""
-    probe = torch.zeros(2, requires_grad=True)
-    if store is not None:
-        store._probe_ptr = _storage_ptr(probe)
-    with torch.enable_grad():
-        probe.mul(probe)
-
-
 def _sparse(x: Tensor, bits: Bits, group_size: int, rounding: str) -> SparseQuantizedTensor:
     """``quantize_sparse`` (float64 through a float32 copy, as the layers do)."""
     if x.dtype == torch.float64:
@@ -175,24 +101,11 @@ def _sparse(x: Tensor, bits: Bits, group_size: int, rounding: str) -> SparseQuan
     return quantize_sparse(x, bits, group_size, rounding=rounding)
 
 
-def dense_order(t: Tensor) -> Optional[Tuple[int, ...]]:
-    """A permutation ``p`` with ``t.permute(p)`` contiguous (identity for a contiguous tensor),
-    or None when ``t`` has gaps or overlaps (expanded, sliced): such a tensor is not copied."""
-    if t.is_contiguous():
-        return tuple(range(t.dim()))
-    p = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return p if t.permute(p).is_contiguous() else None
-
-
 def _inverse(p: Sequence[int]) -> Tuple[int, ...]:
     inv = [0] * len(p)
     for i, d in enumerate(p):
         inv[d] = i
     return tuple(inv)
-
-
-def _storage_ptr(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 class _Compressed:
@@ -449,7 +362,7 @@ class CompressedStore:
         # DIVISION reads dims as (N, C, *spatial): only a tensor stored in that order qualifies
         fn, kind = _plain, "quant"
         if perm == tuple(range(t.dim())) and uses_division(x, self.qconfig.compressor):
-            fn, kind = _quantizer_for(x, self.qconfig)
+            fn, kind = quantizer_for(x, self.qconfig)
         q = self.compress(x, self.qconfig.bits, self.qconfig.group_size, self.qconfig.rounding,
                           owner=tensor_base(t) if tensor_base(t) is not None else t, quantize_fn=fn,
                           kind=kind)
@@ -502,9 +415,3 @@ def is_weight(t: Tensor, depth: int = 8) -> bool:
 
 def _plain(x: Tensor, bits: Bits, group_size: int, rounding: str) -> QuantizedTensor:
     return quantize(x, bits, group_size, rounding=rounding)
-
-
-def _quantizer_for(x: Tensor, qconfig: LayerQConfig):
-    from ..functional._saving import quantizer_for  # functional imports this module
-
-    return quantizer_for(x, qconfig)

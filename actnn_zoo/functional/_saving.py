@@ -7,7 +7,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..capture.session import active_session
+from .._session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, quantize, quantize_normalized
 from ..quant import dequantize_rows as _dequantize_rows
@@ -31,7 +31,8 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None, *,
     last (False), or does not know (None); ``quant.division.uses_division`` says which qualify.
 
     Inside a converted model's training forward the capture session's store answers, so a
-    tensor that several layers save is compressed once (``actnn_zoo.capture.store``).
+    tensor that several layers save is compressed once (``actnn_zoo.capture.store``, reached
+    through ``actnn_zoo._session.active_session``).
 
     float64 is quantized through a float32 copy (the result dequantizes to float32; callers
     cast to their compute dtype): quantization itself takes float32 at most, and its step is

@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._session import ZeroCodeClaim, ZeroCodeSlot, active_session, save_probe
 from ..config import LayerQConfig
-from ..capture.session import active_session
-from ..capture.store import ZeroCodeClaim, ZeroCodeSlot, save_probe
 from ..quant import Bits, pack_compare, unpack_mask
 from ..quant.api import masked_grad
 from ..quant.tensor import CompressedPayload
@@ -205,7 +204,7 @@ def _claimed_grad(claim: ZeroCodeClaim, grad: Tensor) -> Tensor:
 
 def relu(x: Tensor, inplace: bool = False, slot: Optional[ZeroCodeSlot] = None) -> Tensor:
     """ReLU saving a 1-bit mask for backward; with a module's ``slot``, nothing of its own
-    where the next layer compresses the output (:class:`~actnn_zoo.capture.ZeroCodeSlot`)."""
+    where the next layer compresses the output (:class:`~actnn_zoo._session.ZeroCodeSlot`)."""
     out = MaskActivationFunction.apply(x, "relu", 0.0, 0.0, inplace, slot)
     if slot is not None and slot.waiting is not None:
         session = active_session()

@@ -7,9 +7,9 @@ from typing import Any, ClassVar, Mapping, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor, nn
 
+from .._session import active_session
 from .._torch_private import clone_module_state
 from ..capture.mode import call_unrouted
-from ..capture.session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, SampleBits
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from ..capture.store import ZeroCodeSlot
+from .._session import ZeroCodeSlot
 from ..config import LayerQConfig
 from ..functional import activation as A
 from ._base import QModule
@@ -30,7 +30,7 @@ class QReLU(_QAct, nn.ReLU):
     """nn.ReLU saving a 1-bit mask (torch saves the full output); with ``qconfig.relu_codes``
     (the default) nothing of its own on the CPU in a converted model where the next layer
     compresses the output: that layer stores it as sparse codes, whose mask ReLU's backward
-    reads (:class:`~actnn_zoo.capture.store.ZeroCodeSlot`, learned over one forward)."""
+    reads (:class:`~actnn_zoo._session.ZeroCodeSlot`, learned over one forward)."""
 
     _FLOAT_MODULE = nn.ReLU
 
