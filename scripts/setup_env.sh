@@ -33,6 +33,20 @@ EOF
   fi
 fi
 "$VPY" -m pip install -q -r requirements-dev.txt "torch==$TORCH_VERSION" 2>&1 | quiet
+# The third-party model zoos the README's mappings are tested against (tests/test_third_party.py,
+# ...) go into .bench_deps, not the venv: torchvision's wheel does not load its compiled ops
+# with the CPU torch, and an importable torchvision then breaks every `import transformers`
+# (GPT-2 in actnn_zoo.models, the benchmarks). tests/conftest.py and
+# scripts/third_party.py:import_vision put .bench_deps on sys.path after defining the two
+# operator schemas torchvision's import needs. torchvision 0.28 pairs with torch 2.13.
+VISION_PINS="torchvision==0.28.0 timm==1.0.31"
+if [ "$(cat .bench_deps/.az_pins 2>/dev/null)" != "$VISION_PINS" ]; then
+  "$VPY" -m pip install -q --no-deps --upgrade --target .bench_deps $VISION_PINS 2>&1 | quiet
+  echo "$VISION_PINS" > .bench_deps/.az_pins
+fi
+if "$VPY" -m pip show -q torchvision >/dev/null 2>&1; then  # a venv from an earlier setup
+  "$VPY" -m pip uninstall -q -y torchvision timm 2>&1 | quiet
+fi
 # Build the C++ extension in place (rebuilds only when sources changed).
 if [ ! -f .venv/.az_built ] || [ -n "$(find cpp_ext setup.py pyproject.toml -newer .venv/.az_built 2>/dev/null)" ] \
     || ! "$VPY" -c "import actnn_zoo._C" 2>/dev/null; then

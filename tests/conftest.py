@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 
 from _ext import in_ci
 
+# Where scripts/setup_env.sh installs torchvision and timm (outside the venv, see there).
+BENCH_DEPS = Path(__file__).resolve().parents[1] / ".bench_deps"
 # A regex for the start of the message; "." for its ":", which separates the filter's fields.
 SLOW_KERNELS_WARNING = "actnn_zoo. using the slow pure-torch reference kernels"
 
@@ -31,7 +34,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # carry one (tests/test_ci_guards.py checks).
         config.addinivalue_line("filterwarnings",
                                 f"error:{SLOW_KERNELS_WARNING}:RuntimeWarning")
-    if importlib.util.find_spec("torchvision") is not None:
+    if importlib.util.find_spec("torchvision") is not None or BENCH_DEPS.is_dir():
         from _scripts import load_script
 
         with warnings.catch_warnings():  # torchvision warns that its image ops did not load
