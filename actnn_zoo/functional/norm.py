@@ -47,7 +47,8 @@ from ..quant.norm_backward import (batch_norm_backward_codes, group_norm_backwar
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
                       restore, sample_chunks, save)
 from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
-from .linear import cast, dtype_of, first_order_only, memory_format_of, no_autocast
+from ._autocast import no_autocast
+from .linear import cast, dtype_of, first_order_only, memory_format_of
 
 
 

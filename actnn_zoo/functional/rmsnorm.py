@@ -34,7 +34,8 @@ from ..config import LayerQConfig
 from ..quant import Bits
 from ._rounding_variance import correct_, norm_stride, sample_variance
 from ._saving import compress, load, restore, save
-from .linear import cast, dtype_of, first_order_only, no_autocast
+from ._autocast import no_autocast
+from .linear import cast, dtype_of, first_order_only
 from .norm import _needs_saved_input
 
 __all__ = ["RMS_STYLES", "RMSNormFunction", "rms_norm"]
