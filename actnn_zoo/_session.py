@@ -23,6 +23,7 @@ probe) is :class:`actnn_zoo.capture.store.CompressedStore`.
 from __future__ import annotations
 
 import contextvars
+import threading
 from typing import Any, Callable, Optional, Protocol, Tuple
 
 import torch
@@ -108,14 +109,32 @@ class ZeroCodeSlot:
     compresses with DIVISION or a rotation) turns it off.
     """
 
-    __slots__ = ("enabled", "waiting", "probed")
+    __slots__ = ("enabled", "probed", "_local")
 
     def __init__(self) -> None:
         self.enabled = False
         self.probed = False  # ran in a capture session (see CompressedStore.hooks_innermost)
-        # set by the ReLU Function, registered with the store by its caller once the output
-        # is final (an in-place ReLU's output gets its version bump when the Function returns)
-        self.waiting: Optional[Tuple[str, Optional["ZeroCodeClaim"]]] = None
+        # ``waiting`` is per thread: two threads running one model (a replica sharing this
+        # slot) must not register each other's claims
+        self._local = threading.local()
+
+    @property
+    def waiting(self) -> Optional[Tuple[str, Optional["ZeroCodeClaim"]]]:
+        """Set by the ReLU Function, registered with the store by its caller once the output
+        is final (an in-place ReLU's output gets its version bump when the Function returns);
+        this thread's only."""
+        return getattr(self._local, "waiting", None)
+
+    @waiting.setter
+    def waiting(self, value: Optional[Tuple[str, Optional["ZeroCodeClaim"]]]) -> None:
+        self._local.waiting = value
+
+    def __getstate__(self) -> Tuple[bool, bool]:  # deepcopy / pickle: what was learned
+        return self.enabled, self.probed
+
+    def __setstate__(self, state: Tuple[bool, bool]) -> None:
+        self.enabled, self.probed = state
+        self._local = threading.local()
 
     def register(self, out: Tensor, store: ClaimStore) -> None:
         waiting, self.waiting = self.waiting, None

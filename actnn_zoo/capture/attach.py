@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import threading
 from typing import Any, Callable, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -116,21 +117,30 @@ class Capture:
         self.min_numel = min_numel
         self.last_stats: Optional[CaptureStats] = None
         self.relu_slots: List[ZeroCodeSlot] = []  # routed relu calls, by order in a forward
-        self._open: List[Optional[CaptureSession]] = []
+        # the sessions this root opened, per thread: threads running one model (or replicas
+        # sharing this object, as nn.DataParallel's do) each pair their own pre and post hooks
+        self._local = threading.local()
         self._handles: List[Any] = []
+
+    def _stack(self) -> List[Optional[CaptureSession]]:
+        stack = getattr(self._local, "open", None)
+        if stack is None:
+            stack = self._local.open = []
+        return stack
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if not (module.training and torch.is_grad_enabled()) or S.active_session() is not None:
-            self._open.append(None)  # nothing to open: eval, no_grad, or an outer session
+            self._stack().append(None)  # nothing to open: eval, no_grad, or an outer session
             return
         session = CaptureSession(module, self.qconfig, self.min_numel, self.relu_slots)
         session.open()
-        self._open.append(session)
+        self._stack().append(session)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._open:
+        stack = self._stack()
+        if not stack:
             return  # the pre-hook did not run (a hook of another library raised before it)
-        session = self._open.pop()
+        session = stack.pop()
         if session is not None:
             session.close()
             self.last_stats = session.stats
@@ -146,9 +156,13 @@ class Capture:
 
     def __getstate__(self) -> dict:  # copy.deepcopy / pickle: no open sessions travel
         state = dict(self.__dict__)
-        state["_open"] = []
+        del state["_local"]
         state["relu_slots"] = []  # learned again by the copy
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
 
 
 class _Routing:
