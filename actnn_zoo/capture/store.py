@@ -280,9 +280,12 @@ class CompressedStore:
     def keep(self, *tensors: Tensor) -> None:
         """Mark tensors a zoo Function saves on purpose (a payload, exact statistics): tier 3
         passes them through."""
-        kept = self._kept
+        kept, small = self._kept, self.min_numel
         for t in tensors:
-            if t.layout == torch.strided and t.numel():
+            # only what tier 3 would otherwise compress needs marking: small and integer
+            # tensors (the codes) pass through there anyway
+            if t.layout == torch.strided and t.numel() >= small \
+                    and (t.is_floating_point() or t.dtype == torch.bool):
                 kept[_storage_ptr(t)] = weakref.ref(t)
         # the saves that follow at once (ctx.save_for_backward): known by identity, so their
         # pack is one set lookup (see _pack)
