@@ -471,8 +471,10 @@ _SYNCING = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__"
 _MODE_DISPATCH = (str(Path("capture") / "mode.py"), "__torch_function__")
 # Reads a training step makes that are not device synchronisations, and why:
 HOST_READS_ALLOWED = {
-    # the per-quantize seed: torch's CPU generator, so a CPU tensor on every device
-    (str(Path("quant") / "api.py"), "draw_seed", "item"),
+    # seeds: torch's CPU generator, so a CPU tensor on every device -- once per captured
+    # forward (the stream's key), else once per quantize
+    (str(Path("quant") / "seeds.py"), "__init__", "item"),
+    (str(Path("quant") / "seeds.py"), "draw_seed", "item"),
     # SampleBits' promises checked only when the widths are on the CPU (free there)
     (str(Path("quant") / "api.py"), "_capacity", "tolist"),
     # 1/(1-p) rounded to the noise dtype on a 0-d CPU tensor (fused dropout backward)

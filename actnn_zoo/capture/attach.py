@@ -21,6 +21,7 @@ from torch import nn
 from .. import _session as S
 from .._session import ZeroCodeSlot
 from ..config import LayerQConfig, QuantConfig
+from ..quant.seeds import seed_stream
 from .handlers import HANDLERS
 from .mode import CaptureMode, in_routed_segment, routed_segment
 from .store import CaptureStats, CompressedStore
@@ -65,6 +66,7 @@ class CaptureSession:
         self._mode = CaptureMode(self, HANDLERS)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack,
                                                                 self.store.unpack)
+        self._seeds = seed_stream()
         self._token: Optional[contextvars.Token] = None
 
     def relu_slot(self, x: torch.Tensor) -> Optional[ZeroCodeSlot]:
@@ -85,11 +87,16 @@ class CaptureSession:
     def open(self) -> None:
         self._token = S._enter(self)
         try:
-            self._mode.__enter__()
+            self._seeds.__enter__()  # the forward's seeds: one generator read, then a counter
             try:
-                self._hooks.__enter__()
+                self._mode.__enter__()
+                try:
+                    self._hooks.__enter__()
+                except BaseException:
+                    self._mode.__exit__(None, None, None)
+                    raise
             except BaseException:
-                self._mode.__exit__(None, None, None)
+                self._seeds.__exit__(None, None, None)
                 raise
         except BaseException:
             S._leave(self._token)
@@ -103,7 +110,10 @@ class CaptureSession:
             try:
                 self._mode.__exit__(None, None, None)
             finally:
-                S._leave(self._token)
+                try:
+                    self._seeds.__exit__(None, None, None)
+                finally:
+                    S._leave(self._token)
 
 
 class Capture:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import reference
 from .backend import kernels
+from .seeds import draw_seed
 from .hadamard import check_transform, check_transform_group, hadamard_
 from .tensor import QuantizedTensor
 
@@ -79,9 +80,6 @@ def as_rows(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1:].numel())
 
 
-def draw_seed() -> int:
-    """A 31-bit seed from torch's default (CPU) generator: no device synchronisation."""
-    return int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
 
 
 def _row_bits(bits: Bits, n: int, device: torch.device) -> Tuple[Tensor, Optional[int]]:
