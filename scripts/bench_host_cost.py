@@ -90,7 +90,13 @@ def _gpt2() -> Workload:
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
 
     def checkpointed(m: nn.Module) -> nn.Module:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5 renamed gradient_checkpointing_* to activation_checkpointing_*
+        enable = getattr(m, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            m.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         return m
     return (lambda: GPT2LMHeadModel(cfg), lambda m: m(ids, labels=ids).loss, checkpointed)
 
