@@ -1,0 +1,40 @@
+"""scripts/bench_host_cost.py: its table (a tiny run of GPT-2) and its argument errors."""
+from __future__ import annotations
+
+import pytest
+
+from _scripts import load_script
+
+
+def _script():
+    pytest.importorskip("transformers")
+    return load_script("bench_host_cost.py")
+
+
+def test_table_has_ratios_and_extra_per_q_module(capsys):
+    mod = _script()
+    assert mod.main(["--models", "gpt2", "--modes", "default,no-capture,checkpoint",
+                     "--steps", "1", "--rounds", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2: 123 Q-modules when converted" in out
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
+            for line in out.splitlines() if line.count("|") == 3}
+    assert list(rows)[1:] == ["fp32", "default", "no-capture", "checkpoint"]
+    fp32 = float(rows["fp32"][0])
+    for mode in ("default", "no-capture", "checkpoint"):
+        ms, ratio, extra = rows[mode]
+        assert float(ratio) == pytest.approx(float(ms) / fp32, abs=0.01)
+        # extra us per Q-module: only for converted modes
+        if mode == "checkpoint":
+            assert extra == ""
+        else:
+            assert float(extra) == pytest.approx((float(ms) - fp32) * 1e3 / 123, abs=1)
+
+
+def test_unknown_model_and_mode_are_named(capsys):
+    mod = _script()
+    with pytest.raises(SystemExit):
+        mod.main(["--models", "bert"])
+    assert "bert" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown mode 'fast'"):
+        mod.main(["--models", "gpt2", "--modes", "fast", "--steps", "1", "--rounds", "1"])
