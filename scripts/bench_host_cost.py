@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import actnn_zoo as az  # noqa: E402
+from actnn_zoo.bench import interleaved_step_times  # noqa: E402
 from actnn_zoo.nn._base import QModule  # noqa: E402
 
 MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint")
@@ -140,23 +141,6 @@ def build_steps(name: str, modes: Sequence[str]) -> Tuple[Dict[str, Callable[[],
     return steps, n_q
 
 
-def timed(steps: Dict[str, Callable[[], None]], n: int, warmup: int, rounds: int
-          ) -> Dict[str, List[float]]:
-    """Seconds per step of each mode: ``warmup`` untimed steps, then ``rounds`` round-robin
-    chunks of ``n`` steps (this thread's CPU time)."""
-    for fn in steps.values():
-        for _ in range(warmup):
-            fn()
-    out: Dict[str, List[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for k, fn in steps.items():
-            for _ in range(n):
-                t0 = time.thread_time()
-                fn()
-                out[k].append(time.thread_time() - t0)
-    return out
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
@@ -176,7 +160,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if name not in MODELS:
             p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
         steps, n_q = build_steps(name, modes)
-        times = timed(steps, args.steps, args.warmup, args.rounds)
+        times = interleaved_step_times(steps, n=args.steps * args.rounds, warmup=args.warmup,
+                                       rounds=args.rounds, clock=time.thread_time)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"\n{name}: {n_q} Q-modules when converted")
         print(f"{'mode':12s} | {'ms/step':>8s} | {'x fp32':>7s} | {'extra us per Q-module':>22s}")

@@ -40,3 +40,16 @@ def pytest_configure(config: pytest.Config) -> None:
         with warnings.catch_warnings():  # torchvision warns that its image ops did not load
             warnings.simplefilter("ignore")
             load_script("third_party.py").import_vision()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny ops: with 2 OpenMP threads on a busy 2-core machine
+    they spin (~100 ms per tiny convolution), and timing-sensitive loops get unstable. Used as
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

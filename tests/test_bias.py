@@ -55,13 +55,8 @@ Q2 = LayerQConfig(bits=2)
 Grads = Dict[str, Tensor]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops with 2 OpenMP threads on a busy 2-core machine spin; one thread is faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny ops: one torch thread (tests/conftest.py, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _grads(fn: Callable[..., Tensor], inputs: Dict[str, Tensor], g: Tensor) -> Grads:

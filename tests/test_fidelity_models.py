@@ -26,12 +26,8 @@ from torch import Tensor, nn
 import actnn_zoo as az
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny ops: one torch thread (tests/conftest.py, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Scale(nn.Module):

@@ -18,14 +18,8 @@ from actnn_zoo.nn import (QConv1d, QConv2d, QConv3d, QConvTranspose1d, QConvTran
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny convolutions with 2 OpenMP threads on a busy 2-core machine spin for ~100 ms each;
-    one thread keeps this file fast and its timing stable."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny ops: one torch thread (tests/conftest.py, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # name: (torch layer factory, input shape, Q class, forward kwargs, shape that gets compressed;

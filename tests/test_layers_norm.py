@@ -18,14 +18,8 @@ from actnn_zoo.nn import (QBatchNorm1d, QBatchNorm2d, QBatchNorm3d, QGroupNorm, 
                           QSyncBatchNorm)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops with 2 OpenMP threads on a busy 2-core machine spin; one thread keeps this file
-    fast and its timing stable."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny ops: one torch thread (tests/conftest.py, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # name: (torch layer factory, input shape, Q class, bytes of the saved statistics). With a random

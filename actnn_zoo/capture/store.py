@@ -171,7 +171,7 @@ class CompressedStore:
         self._skip: Optional[Set[int]] = None  # listed at the first need
         self._refresh = False
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
-        self._saving: Set[int] = set()  # ids of the tensors keep() was just given
+        self._saving: Dict[int, Tensor] = {}  # the tensors keep() was just given, by id
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
         # ReLU-code sharing: ReLU outputs offered (mask saved, learning) and claimed (codes
         # wanted), by memory key; the probe of hooks_innermost
@@ -288,8 +288,9 @@ class CompressedStore:
                     and (t.is_floating_point() or t.dtype == torch.bool):
                 kept[_storage_ptr(t)] = weakref.ref(t)
         # the saves that follow at once (ctx.save_for_backward): known by identity, so their
-        # pack is one set lookup (see _pack)
-        self._saving = {id(t) for t in tensors}
+        # pack is one dict lookup (see _pack). Held until the next keep(), so that an id freed
+        # meanwhile (a Function that built no graph packs nothing) cannot be reused and match.
+        self._saving = {id(t): t for t in tensors}
 
     def _is_kept(self, ptr: int) -> bool:
         ref = self._kept.get(ptr)
@@ -316,8 +317,8 @@ class CompressedStore:
 
     def _pack(self, t: Tensor) -> Any:
         saving = self._saving
-        if saving and id(t) in saving:  # saved by the zoo Function that just called keep()
-            saving.discard(id(t))
+        if saving and saving.get(id(t)) is t:  # saved by the zoo Function that called keep()
+            del saving[id(t)]
             self.stats._pass("small" if t.numel() < self.min_numel
                              else "saved by a zoo Function", t)
             return t
