@@ -24,7 +24,8 @@ from ..config import LayerQConfig, QuantConfig
 from ..quant.seeds import seed_stream
 from .handlers import HANDLERS
 from .mode import CaptureMode, in_routed_segment, routed_segment
-from .store import CaptureStats, CompressedStore
+from .._torch_private import inside_checkpoint
+from .store import CaptureStats, CompressedStore, outer_hooks_present
 
 __all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
            "capturing", "checkpoint_context", "CAPTURE_ATTR", "MIN_NUMEL"]
@@ -66,6 +67,7 @@ class CaptureSession:
         self._mode = CaptureMode(self, HANDLERS)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack,
                                                                 self.store.unpack)
+        self.store.hooks = self._hooks
         self._seeds = seed_stream()
         self._token: Optional[contextvars.Token] = None
 
@@ -85,6 +87,10 @@ class CaptureSession:
         return self._relu_slots[k]
 
     def open(self) -> None:
+        # The user's saved-tensor hooks around the model (save_on_cpu, offloading, counting)
+        # receive what the store keeps. Not a checkpoint's: inside a segment run whole (the
+        # converted root checkpointed from outside) the capture hooks keep the saves, as before.
+        self.store.boxing = not inside_checkpoint() and outer_hooks_present()
         self._token = S._enter(self)
         try:
             self._seeds.__enter__()  # the forward's seeds: one generator read, then a counter

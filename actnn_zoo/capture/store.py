@@ -17,6 +17,14 @@ Two jobs, one object:
   parameters and buffers, tensors the zoo's Functions saved on purpose (their payloads and exact
   statistics), small tensors, integer tensors, float64, and layouts that are not dense.
   ``unpack`` only reads the payload, so ``retain_graph`` backward can unpack again.
+* **Composing with the user's hooks.** Saved-tensor hooks do not chain: torch calls only the
+  innermost pair. When the session opens inside other hooks (``save_on_cpu``, an offloading
+  or counting pair the user entered around the model; :func:`outer_hooks_present` asks), each
+  pack hands what it keeps -- the payload tensors (codes, ranges, masks) and the tensors it
+  passes through -- to those hooks: it steps out of its own hooks for the moment, saves them
+  through a one-node identity Function (:class:`_Box`) whose ``save_for_backward`` the outer
+  hooks pack, and keeps that node; ``unpack`` reads them back through
+  ``node.saved_tensors``. So ``save_on_cpu`` offloads compressed activations.
 
 The store lives for one forward (a :class:`~actnn_zoo.capture.CaptureSession`); afterwards only
 the payloads autograd holds remain.
@@ -148,6 +156,96 @@ class _Observed:
         self.inner, self.seen = inner, seen
 
 
+class _Box(torch.autograd.Function):
+    """Saves its extra arguments for backward and nothing else: the hooks below the capture
+    hooks pack them (see the module docstring). Its backward never runs (the node is kept only
+    for ``saved_tensors``); it exists because ``save_for_backward`` is the public way to hand
+    tensors to the current saved-tensor hooks."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, *tensors: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:  # pragma: no cover - never reached
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+def _box(anchor: Tensor, tensors: Sequence[Tensor]) -> Any:
+    """The node of one :class:`_Box` call saving ``tensors`` (detached: an op's output saved
+    with its graph would close a reference cycle through the node)."""
+    with torch.enable_grad():
+        return _Box.apply(anchor, *[t.detach() for t in tensors]).grad_fn
+
+
+def outer_hooks_present() -> bool:
+    """Whether saved-tensor hooks are active in this thread (to call before the capture hooks
+    are entered: then they are the user's, which the capture hooks would otherwise hide).
+
+    torch has no public query for the hook stack. This asks autograd itself: a tensor saved
+    with no hooks is kept as it is, and reading it back after an in-place change raises
+    (autograd's version check); a tensor saved through hooks is what their pack returned, and
+    torch skips the check (it cannot follow versions through hooks). One tiny save and one
+    read, ~10 us, once per forward. The read calls the outer unpack hook once."""
+    probe = torch.zeros(1)
+    node = _box(torch.empty(0, requires_grad=True), (probe,))
+    probe.add_(1.0)
+    try:
+        node.saved_tensors
+    except RuntimeError:
+        return False
+    return True
+
+
+class _Group:
+    """One :class:`_Box` node for all the tensors a zoo Function saves at once (one box per
+    ``save_for_backward`` instead of one per tensor). Its backward reads them all in a row:
+    the tensors read back are held until each of the ``uses`` saves has taken its own, so the
+    outer unpack runs once per round, not once per tensor."""
+
+    __slots__ = ("node", "index", "uses", "_read", "_left")
+
+    def __init__(self, node: Any, index: Dict[int, int]) -> None:
+        self.node, self.index, self.uses = node, index, 0
+        self._read: Optional[Tuple[Tensor, ...]] = None
+        self._left = 0
+
+    def take(self, i: int) -> Tensor:
+        if self._read is None:
+            self._read, self._left = self.node.saved_tensors, self.uses
+        t = self._read[i]
+        self._left -= 1
+        if self._left <= 0:
+            self._read = None
+        return t
+
+
+class _Boxed:
+    """What autograd keeps for a save while outer hooks exist: the :class:`_Box` node holding
+    the kept tensors (as the outer hooks packed them) and how to rebuild the saved value.
+    ``kind``: 't' a tensor as it was, 'q' a payload (``meta`` = class, spec, permutation),
+    'm' a 1-bit mask (``meta`` = shape, permutation), 'g' one tensor of a :class:`_Group`
+    (``node`` = the group, ``meta`` = its position)."""
+
+    __slots__ = ("node", "kind", "meta")
+
+    def __init__(self, node: Any, kind: str, meta: Any) -> None:
+        self.node, self.kind, self.meta = node, kind, meta
+
+    def restore(self) -> Tensor:
+        if self.kind == "g":
+            return self.node.take(self.meta)
+        tensors = self.node.saved_tensors
+        if self.kind == "t":
+            return tensors[0]
+        if self.kind == "q":
+            cls, spec, perm = self.meta
+            return decompress(cls.rebuild(spec, tuple(tensors))).permute(_inverse(perm))
+        shape, perm = self.meta
+        return unpack_mask(tensors[0], shape).permute(_inverse(perm))
+
+
 class CompressedStore:
     """The compress-once cache and the tier-3 hooks of one forward.
 
@@ -179,6 +277,13 @@ class CompressedStore:
         self._claims: Dict[tuple, Tuple[ZeroCodeClaim, ZeroCodeSlot]] = {}
         self._probe_ptr: Optional[int] = None
         self._probe_seen = False
+        # Outer hooks (set by the session before it enters its hooks): ``hooks`` is the
+        # session's own saved_tensors_hooks context, left and re-entered around each box
+        self.boxing = False
+        self.hooks: Optional[Any] = None
+        self._anchor: Optional[Tensor] = None
+        self._boxes: Dict[int, Tuple["weakref.ref[Any]", Any]] = {}  # payload id -> node
+        self._group: Optional[_Group] = None  # the box of keep()'s tensors, once one is packed
 
     # -- the one store ---------------------------------------------------------------------
     @_eager
@@ -291,6 +396,7 @@ class CompressedStore:
         # pack is one dict lookup (see _pack). Held until the next keep(), so that an id freed
         # meanwhile (a Function that built no graph packs nothing) cannot be reused and match.
         self._saving = {id(t): t for t in tensors}
+        self._group = None
 
     def _is_kept(self, ptr: int) -> bool:
         ref = self._kept.get(ptr)
@@ -299,6 +405,11 @@ class CompressedStore:
     # -- tier 3: saved-tensor hooks ----------------------------------------------------------
     @_eager
     def pack(self, t: Tensor) -> Any:
+        if self.boxing:  # the outer hooks see everything: no observer needed
+            saving = self._saving
+            if saving and saving.get(id(t)) is t:
+                return self._boxed_kept(t)
+            return self._boxed(self._pack(t))
         saved = self._pack(t)
         observer = current_observer()
         if observer is None:
@@ -311,9 +422,52 @@ class CompressedStore:
     def unpack(saved: Any) -> Tensor:
         if isinstance(saved, _Observed):
             saved = saved.inner
-        if isinstance(saved, (_Compressed, _Mask)):
+        if isinstance(saved, (_Compressed, _Mask, _Boxed)):
             return saved.restore()
         return saved
+
+    def _boxed(self, saved: Any) -> _Boxed:
+        """``saved`` handed to the outer hooks (see the module docstring). A payload several
+        ops save is boxed once: every save of it reads the same node."""
+        if isinstance(saved, _Compressed):
+            q = saved.q
+            hit = self._boxes.get(id(q))
+            node = hit[1] if hit is not None and hit[0]() is q else None
+            if node is None:
+                node = self._box_now(q.tensors())
+                key = id(q)
+                self._boxes[key] = (weakref.ref(q, functools.partial(_evict, self._boxes, key)),
+                                    node)
+            return _Boxed(node, "q", (type(q), q.spec(), saved.perm))
+        if isinstance(saved, _Mask):
+            return _Boxed(self._box_now((saved.packed,)), "m", (saved.shape, saved.perm))
+        return _Boxed(self._box_now((saved,)), "t", None)
+
+    def _boxed_kept(self, t: Tensor) -> _Boxed:
+        """A tensor the zoo Function that called :meth:`keep` saves: its whole save is boxed
+        at its first tensor (see :class:`_Group`)."""
+        group = self._group
+        if group is None:
+            members = list(self._saving.values())
+            group = self._group = _Group(self._box_now(members),
+                                         {id(m): i for i, m in enumerate(members)})
+        del self._saving[id(t)]
+        self.stats._pass("small" if t.numel() < self.min_numel else "saved by a zoo Function", t)
+        group.uses += 1
+        return _Boxed(group, "g", group.index[id(t)])
+
+    def _box_now(self, tensors: Sequence[Tensor]) -> Any:
+        """One :class:`_Box` call with the session's hooks off the stack (they are its top
+        while this pack runs), so that the hooks below pack ``tensors``."""
+        if self._anchor is None:
+            self._anchor = torch.empty(0, requires_grad=True)
+        hooks = self.hooks
+        assert hooks is not None
+        hooks.__exit__(None, None, None)
+        try:
+            return _box(self._anchor, tensors)
+        finally:
+            hooks.__enter__()
 
     def _pack(self, t: Tensor) -> Any:
         saving = self._saving
