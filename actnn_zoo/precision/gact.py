@@ -74,6 +74,7 @@ from torch import Tensor, nn
 
 from .._compile import EagerHook
 from ..quant import SampleBits
+from ..quant.seeds import seed_stream
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
 from .stats import LayerKind, LayerStats, count_call, layer_kind, set_width
@@ -195,6 +196,7 @@ class _Layer:
         s = self.strategy
         if s.probing:
             s.seed_layer(self)
+            s.open_stream()
         if self.kind is None:
             return
         self.quantized = False
@@ -219,6 +221,7 @@ class _Layer:
     def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
         """After the layer: back to a neutral seed, so what follows is the same in every pass."""
         if self.strategy.probing:
+            self.strategy.close_stream()
             self.strategy.seed_layer(self, neutral=True)
 
 
@@ -255,6 +258,7 @@ class GACTStrategy(PrecisionStrategy):
         # seed control during a probe: base seed, the layers re-seeded in this pass
         self._seed_base = 0
         self._variant: Set[int] = set()
+        self._streams: List[seed_stream] = []  # open per-layer seed streams (probe only)
         self._warned = False
 
     # -- attach / detach ------------------------------------------------------------------
@@ -343,6 +347,22 @@ class GACTStrategy(PrecisionStrategy):
         variant = 2 if neutral else (1 if layer.index in self._variant else 0)
         torch.default_generator.manual_seed(self._seed_base + 4 * layer.index + variant)
 
+    def open_stream(self) -> None:
+        """Give the layer about to run its own rounding seeds. Inside a capture session every
+        compressed tensor takes its seed from the session's stream (one generator read when
+        the forward starts, then a counter: ``quant/seeds.py``), so re-seeding torch's
+        generator alone changes no rounding; a stream opened here keys on the generator just
+        seeded for (probe, layer, variant), and the session's own counter does not advance
+        while it is open, so what runs outside the Q-layers draws the same seeds in every
+        pass."""
+        stream = seed_stream()
+        stream.__enter__()
+        self._streams.append(stream)
+
+    def close_stream(self) -> None:
+        if self._streams:
+            self._streams.pop().__exit__(None, None, None)
+
     def probe(self, model: nn.Module) -> None:
         """Estimate every free tensor's C_l from the recorded batch (module doc); the values
         go to the host with one non-blocking copy and apply at the next step."""
@@ -372,6 +392,8 @@ class GACTStrategy(PrecisionStrategy):
                         return self._pass(model, rec, params)
                     estimates.append(self._estimate(run, params))
         finally:
+            while self._streams:  # a pass that raised inside a layer left its stream open
+                self.close_stream()
             self.probing = False
             self._variant = set()
             with torch.no_grad():
