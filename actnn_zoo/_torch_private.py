@@ -65,20 +65,23 @@ def clone_module_state(src: nn.Module, dst: nn.Module, skip: tuple = ()) -> None
         state[key] = value.copy() if copy else value  # type: ignore[union-attr]
 
 
-def saved_by_checkpoint(hook_files: Tuple[str, ...], depth: int = 2) -> bool:
-    """Whether the tensor a saved-tensor pack hook is packing now is being saved by
-    ``torch.utils.checkpoint`` itself: the inputs of a checkpointed segment, from which its
-    recomputation runs (non-reentrant: ``_CheckpointFrame.save_inputs``; reentrant: its
-    Function's ``save_for_backward``). torch has no public way to tell; the callers' frames do:
-    above the hook's own frames (those of ``hook_files``) one of the next ``depth`` Python
-    frames belongs to torch/utils/checkpoint.py, whereas a regular op is called from model
-    code. Why it matters: a compressed segment input makes the recomputation run from other
-    values than the forward did, so its masks and statistics no longer match the loss
-    (measured: 7% error in a conv bias gradient at 8 bits)."""
+def saved_by_checkpoint(hook_files: Tuple[str, ...]) -> bool:
+    """Whether the tensor a saved-tensor pack hook is packing now is one of the inputs torch's
+    non-reentrant ``torch.utils.checkpoint`` saves for its segment (``_CheckpointFrame.
+    save_inputs``), from which its recomputation runs: compressed, the recomputation would run
+    from other values than the forward did (measured: 7% error in a conv bias gradient at 8
+    bits).
+
+    torch 2.13 saves them from Python with ``torch._C._autograd._make_saved_tensor``: no
+    autograd Function, no torch call before the save that the capture mode could see, so the
+    public signal tier 3 uses for custom Functions (their forward runs under no_grad; that is
+    how a re-entrant checkpoint's inputs, torch's or another library's, are kept exact) does not
+    apply. The one frame above the hook's own (those of ``hook_files``) does: it is
+    torch/utils/checkpoint.py's when the checkpoint is saving, model code otherwise."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in hook_files:
         frame = frame.f_back
-    return _checkpoint_frame_within(frame, depth)
+    return frame is not None and frame.f_code.co_filename == _CHECKPOINT_FILE
 
 
 def _checkpoint_frame_within(frame, depth: Optional[int]) -> bool:
@@ -102,3 +105,27 @@ def inside_checkpoint() -> bool:
     recomputation, outside any capture session: a ReLU outside the segment must not share a
     payload made inside it (the forward and the recomputation would save different tensors)."""
     return _checkpoint_frame_within(sys._getframe(1), None)
+
+
+def compiled_saved_output_index() -> Optional[int]:
+    """While AOTAutograd applies :func:`actnn_zoo.compile`'s pack hook to a saved value of a
+    graph: which output of its producing op that value is (0 for a single-output op, ``k`` for
+    ``getitem(op, k)``); None outside such a hook or where torch does not say. torch exposes
+    the saved graph node only through ``_get_saved_tensor_hook_context`` ("may change without
+    backward compatibility"). Why it matters: the secondary outputs of multi-output ops are
+    statistics (a norm's mean and inverse deviation, attention's log-sum-exp) that a backward
+    reads exactly; only the primary output is an activation to compress."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import (
+            _get_saved_tensor_hook_context)
+    except ImportError:
+        return None
+    state = _get_saved_tensor_hook_context()
+    node = (state.get("_node", state.get("node"))) if isinstance(state, dict) else None
+    if node is None or getattr(node, "op", None) != "call_function":
+        return None
+    import operator
+
+    if node.target is operator.getitem and isinstance(node.args[1], int):
+        return node.args[1]
+    return 0

@@ -61,14 +61,24 @@ class CaptureMode(TorchFunctionMode):
         self.session = session
         self.table = table
         self.in_segments = in_segments
+        # the store told whether the last call the mode saw ran under no_grad (see below)
+        self._store = getattr(session, "store", None)
 
     def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        grad = torch.is_grad_enabled()
+        store = self._store
+        if store is not None:
+            # A custom autograd Function's forward runs under no_grad, and it saves right
+            # after: a save that follows calls under no_grad, with no grad-enabled call in
+            # between, is a custom Function's (a re-entrant checkpoint saving its segment's
+            # inputs, DeepSpeed's or Megatron's as well as torch's): tier 3 keeps it exact.
+            store.after_no_grad = not grad
         if func is _capture_is_innermost:
             return True
         kwargs = kwargs or {}
         handler = self.table.get(func)
-        if handler is None or not torch.is_grad_enabled():
+        if handler is None or not grad:
             return func(*args, **kwargs)
         if not self.in_segments and not _ROUTED_SEGMENT.get() and inside_checkpoint():
             return func(*args, **kwargs)

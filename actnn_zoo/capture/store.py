@@ -284,6 +284,7 @@ class CompressedStore:
         self._anchor: Optional[Tensor] = None
         self._boxes: Dict[int, Tuple["weakref.ref[Any]", Any]] = {}  # payload id -> node
         self._group: Optional[_Group] = None  # the box of keep()'s tensors, once one is packed
+        self.after_no_grad = False  # set by the tier-2 mode (CaptureMode.__torch_function__)
 
     # -- the one store ---------------------------------------------------------------------
     @_eager
@@ -405,12 +406,18 @@ class CompressedStore:
     # -- tier 3: saved-tensor hooks ----------------------------------------------------------
     @_eager
     def pack(self, t: Tensor) -> Any:
-        if self.boxing:  # the outer hooks see everything: no observer needed
-            saving = self._saving
-            if saving and saving.get(id(t)) is t:
-                return self._boxed_kept(t)
-            return self._boxed(self._pack(t))
-        saved = self._pack(t)
+        # read before anything: the tier-2 mode sees this hook's own calls (under no_grad)
+        # when the save is a custom Function's, and must not count them
+        after_no_grad = self.after_no_grad
+        try:
+            if self.boxing:  # the outer hooks see everything: no observer needed
+                saving = self._saving
+                if saving and saving.get(id(t)) is t:
+                    return self._boxed_kept(t)
+                return self._boxed(self._pack(t, after_no_grad))
+            saved = self._pack(t, after_no_grad)
+        finally:
+            self.after_no_grad = after_no_grad
         observer = current_observer()
         if observer is None:
             return saved
@@ -469,7 +476,10 @@ class CompressedStore:
         finally:
             hooks.__enter__()
 
-    def _pack(self, t: Tensor) -> Any:
+    def _pack(self, t: Tensor, after_no_grad: bool = False) -> Any:
+        """What autograd keeps for ``t``. ``after_no_grad``: the tier-2 mode's last call ran
+        under no_grad, i.e. ``t`` is saved by a custom autograd Function (see
+        :class:`~actnn_zoo.capture.mode.CaptureMode`)."""
         saving = self._saving
         if saving and saving.get(id(t)) is t:  # saved by the zoo Function that called keep()
             del saving[id(t)]
@@ -504,7 +514,10 @@ class CompressedStore:
         if t.dtype != torch.bool and t.dtype not in COMPRESSIBLE:
             stats._pass("float64" if t.dtype == torch.float64 else "integer", t)
             return t
-        if saved_by_checkpoint(_HOOK_FILES):  # a segment's input: its recomputation reads it
+        if after_no_grad or saved_by_checkpoint(_HOOK_FILES):
+            # A custom Function's save (a re-entrant checkpoint's segment inputs, from which
+            # its recomputation runs: compressed, the recomputation would run from other values
+            # than the forward did), or the inputs torch's non-reentrant checkpoint saves
             stats._pass("checkpoint input", t)
             return t
         perm = dense_order(t)
