@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Un
 from torch import nn
 
 from . import nn as qnn
-from .config import TOP_KEYS, ConfigLike, QuantConfig, _unknown_key, as_config
+from .config import TOP_KEYS, ConfigLike, QuantConfig, _unknown_key, as_config, default_config
 from .capture import attach_capture, detach_capture
 from .nn._base import QModule, same_forward
 from .nn.third_party import THIRD_PARTY, ThirdPartyRule, dotted_name, find_rule
@@ -306,7 +306,9 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
         model = az.convert_model(model, "4bit")          # a shipped config, by name
         model = az.convert_model(model, strategy="gact", bits=3)
 
-    ``config``: None (defaults: ``strategy: actnn``, 2 bits on average), the name of a config
+    ``config``: None (defaults: ``strategy: actnn``, 2 bits on average; for a model with
+    attention 3.25 bits with the head's input and attention at 8 / 4, see
+    :func:`actnn_zoo.config.default_config`), the name of a config
     shipped with the package (``"4bit"``; :func:`actnn_zoo.config.shipped_configs`), a YAML
     path, a dict or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top.
     ``mapping`` adds to or overrides the default torch -> Q class mapping (see :func:`register_mapping`; a
@@ -326,7 +328,10 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
     for key in overrides:
         if key not in TOP_KEYS:
             raise TypeError(f"convert_model() got an {_unknown_key(key, TOP_KEYS, 'override')}")
-    cfg = as_config(config, **overrides)
+    # no config: the default for this kind of model (a larger budget for attention models,
+    # config.default_config); a config or a budget the user gives is used as given
+    cfg = (default_config(model, **overrides) if config is None
+           else as_config(config, **overrides))
     table, paths = _effective_mapping(mapping)
     report = ConversionReport(config=cfg)
     _detach_precision(model)

@@ -33,9 +33,12 @@ Two levels, both solved on the tensors' device (``solver``):
   range; in a classifier in training it falls with it (confident samples: wide activations,
   tiny gradients), so gamma is refitted from the last recorded step (``_Watched.calibrate``).
 
-The realised average over all compressed values is then at most the budget. Exception: until
-the first re-allocation applies (steps 1 and 2) every free layer uses the budget itself, so
-pinned layers wider than the budget are not yet compensated.
+The realised average over all compressed values is then at most the budget: the Q-layers'
+and what the capture tiers compress (``capture_bits``), whose values of the last captured
+forward are counted at the tiers' width like a pinned layer's (``_capture_load``; a model
+whose tiers save at 4 bits under a 3-bit budget leaves its free layers less than 3). Exception:
+until the first re-allocation applies (steps 1 and 2) every free layer uses the budget itself,
+so pinned layers and tiers wider than the budget are not yet compensated.
 
 A layer called several times in one forward (weight sharing, a recurrent cell) saves one
 compressed tensor per call, so every call counts: the layer's statistics of a step are those of
@@ -66,6 +69,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compile import EagerHook
+from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
@@ -277,6 +281,7 @@ class ActNNStrategy(PrecisionStrategy):
         self.watched: List[_Watched] = []
         self._warned = False
         self._tables: Dict[Tuple[torch.device, torch.dtype], UpgradeTable] = {}
+        self._root: Optional[nn.Module] = None  # the converted root (its capture tiers)
 
     def table(self, device: torch.device, dtype: torch.dtype = torch.float32) -> UpgradeTable:
         """Solver constants on ``device``, built once for all layers (no host copy per step)."""
@@ -288,6 +293,7 @@ class ActNNStrategy(PrecisionStrategy):
     # -- attach / detach ------------------------------------------------------------------
     def attach(self, model: nn.Module, layers: Sequence[TrackedLayer]) -> None:
         super().attach(model, layers)
+        self._root = model
         for tl in self.layers:
             kind = layer_kind(tl.module)
             if kind is None:
@@ -308,6 +314,7 @@ class ActNNStrategy(PrecisionStrategy):
     def detach(self) -> None:
         super().detach()
         self.watched = []
+        self._root = None
         self._pending = None
 
     # -- per step -------------------------------------------------------------------------
@@ -332,24 +339,36 @@ class ActNNStrategy(PrecisionStrategy):
         checkpoint's recomputation in backward, are not counted as more saved tensors."""
         self.in_forward = False
 
+    def _capture_load(self) -> Tuple[float, int]:
+        """(values, width) the capture tiers compressed in the root's last captured forward;
+        (0, 0) without capture or before its first forward. Values are the tensors' bytes / 4
+        (fp32); a tensor in a narrower dtype is over-counted, which only lowers the free
+        layers' share when the tiers are wider than the budget."""
+        capture = vars(self._root).get(CAPTURE_ATTR) if self._root is not None else None
+        if not isinstance(capture, Capture) or capture.last_stats is None:
+            return 0.0, 0
+        return capture.last_stats.compressed_bytes / 4.0, int(capture.qconfig.bits)
+
     def reallocate(self) -> None:
         """Per-layer average widths from the statistics of the last forward / backward; they
         apply from the next training step (:meth:`on_model_forward`)."""
         # every call of a layer saved its own tensor: stats.values counts them all
         seen = [w for w in self.watched if w.stats.values > 0]
         free = [w for w in seen if w.pinned_bits is None]
-        total = sum(w.stats.values for w in seen)
+        cap_values, cap_bits = self._capture_load()
+        total = sum(w.stats.values for w in seen) + cap_values
         free_values = sum(w.stats.values for w in free)
         if not free_values:
             return
         pinned_cost = sum(w.pinned_bits * w.stats.values
-                          for w in seen if w.pinned_bits is not None)
+                          for w in seen if w.pinned_bits is not None) + cap_bits * cap_values
         b_free = (self.budget * total - pinned_cost) / free_values
         if b_free < 1.0 and not self._warned:
             self._warned = True
-            warnings.warn(f"actnn_zoo: layers pinned by rules use more than the {self.budget}-bit "
-                          f"budget allows; the other layers get 1 bit, and the average exceeds "
-                          f"the budget", UserWarning, stacklevel=2)
+            warnings.warn(f"actnn_zoo: layers pinned by rules and the capture tiers "
+                          f"(capture_bits) use more than the {self.budget}-bit budget allows; "
+                          f"the other layers get 1 bit, and the average exceeds the budget",
+                          UserWarning, stacklevel=2)
         b_free = min(max(b_free, 1.0), 8.0)
         ready = [w for w in free if w.stats.grad_sq is not None and w.stats.range_sq is not None
                  and w.stats.range_sq.shape[0] == w.stats.samples]

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Which saved tensors of the text transformer cost validation loss at 2 bits, and does a
+candidate default reach fp32 (issue 31)?
+
+Each run trains the demo's text transformer (``actnn_zoo.demo.train_text``: the weights, data
+order, optimizer and cosine schedule of ``python -m actnn_zoo.demo`` for a seed) for
+``--steps`` steps with one named config of ``CANDIDATES`` and records the validation loss,
+the saved-activation compression of one training batch after training
+(``actnn_zoo.memory.compression_ratio``, capture tiers and ranges included) and the Q-layers'
+value-weighted average width. ``fp32`` trains the plain model. The screen: the old default
+(``actnn`` 2-bit average, capture at 2) with ONE tensor class at 8 bits, to see which class
+carries the loss; then the candidates for the new default.
+
+One training job at a time, one thread (``torch.set_num_threads(1)``); resumable: a run whose
+JSON exists under ``--dir`` is skipped::
+
+    PYTHONPATH=. .venv/bin/python scripts/default_fidelity.py --runs old,head8 --steps 300
+    PYTHONPATH=. .venv/bin/python scripts/default_fidelity.py --runs fp32,model_default \\
+        --steps 1000 --seeds 0,1,2
+    PYTHONPATH=. .venv/bin/python scripts/default_fidelity.py --report
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+HEAD = ["head", "head.*", "heads.*", "classifier", "classifier.*", "lm_head"]
+OLD = {"strategy": "actnn", "bits": 2}  # the default before issue 31
+
+# name -> convert_model config (None: fp32; "default": convert_model's own default for the
+# model, i.e. no config given)
+CANDIDATES: Dict[str, Any] = {
+    "fp32": None,
+    "old": OLD,
+    "default": "default",
+    # one class at 8 bits, the rest as the old default
+    "head8": {**OLD, "rules": [{"pattern": HEAD, "bits": 8}]},
+    "softmax8": {**OLD, "rules": [{"type": "Softmax", "bits": 8}]},
+    "capture8": {**OLD, "capture_bits": 8},
+    "ln8": {**OLD, "rules": [{"type": "LayerNorm", "bits": 8}]},
+    "qkv8": {**OLD, "rules": [{"pattern": "*.qkv", "bits": 8}]},
+    "mlp8": {**OLD, "rules": [{"pattern": ["*.mlp.*"], "bits": 8}]},
+    # attention operands and the head's input wider, the bulk at the budget
+    "attn4_head8": {**OLD, "capture_bits": 4,
+                    "rules": [{"type": "Softmax", "bits": 4}, {"pattern": HEAD, "bits": 8}]},
+    "attn8_head8": {**OLD, "capture_bits": 8,
+                    "rules": [{"type": "Softmax", "bits": 8}, {"pattern": HEAD, "bits": 8}]},
+    "b3_attn4_head8": {"strategy": "actnn", "bits": 3, "capture_bits": 4,
+                       "rules": [{"type": "Softmax", "bits": 4}, {"pattern": HEAD, "bits": 8}]},
+    "b3": {"strategy": "actnn", "bits": 3},
+    "b3.5": {"strategy": "actnn", "bits": 3.5},
+    "b4_cap2": {"strategy": "actnn", "bits": 4, "capture_bits": 2},
+    # uniform: attention's operands and projections at 4, the head's input at 8, the MLP,
+    # the norms and the embeddings' dropout at 2
+    "u_attn4_head8": {"strategy": "uniform", "bits": 2, "capture_bits": 4,
+                      "rules": [{"type": "Softmax", "bits": 4},
+                                {"pattern": ["*.attn.qkv", "*.attn.proj"], "bits": 4},
+                                {"pattern": HEAD, "bits": 8}]},
+    "b3_cap4": {"strategy": "actnn", "bits": 3, "capture_bits": 4},
+}
+
+
+def run_name(cand: str, steps: int, seed: int) -> str:
+    return f"text_{cand}_{steps}st_s{seed}"
+
+
+def execute(cand: str, steps: int, seed: int) -> Dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from actnn_zoo import demo
+    from actnn_zoo.data import load_text_corpus, random_windows
+    from actnn_zoo.memory import compression_ratio
+    from bits_vs_loss import strategy_bits
+
+    torch.set_num_threads(1)
+    cfg = CANDIDATES[cand]
+    setup = demo.TextSetup(steps=steps)
+    corpus = load_text_corpus(setup.num_chars)
+    t0 = time.perf_counter()
+    if cfg is None:
+        res = demo.train_text("fp32", setup, seed, corpus, None, None, progress=False)
+    elif cfg == "default":
+        res = demo.train_text("bits", setup, seed, corpus, None, None, progress=False)
+    else:
+        res = demo.train_text("bits", setup, seed, corpus, None, cfg, progress=False)
+    seconds = time.perf_counter() - t0
+    ratio, sbits = 1.0, None
+    if cfg is not None:
+        xb, yb = random_windows(corpus.train, setup.context, setup.batch_size,
+                                torch.Generator().manual_seed(0))
+        ref = demo.make_text_model(setup, corpus.vocab_size, "fp32", seed)
+        ratio = compression_ratio(ref, res.model, xb, loss_fn=lambda out: F.cross_entropy(
+            out.reshape(-1, out.shape[-1]), yb.reshape(-1)))
+        sbits = strategy_bits(res.model, {"bits": 2} if cfg == "default" else cfg)
+    return {"name": run_name(cand, steps, seed), "candidate": cand, "config": cfg,
+            "steps": steps, "seed": seed, "val_loss": res.metric, "compression": ratio,
+            "storage_bits": 32.0 / ratio, "qlayer_bits": sbits, "train_seconds": seconds,
+            "final_train_loss": statistics.fmean(res.losses[-20:]),
+            "torch": torch.__version__}
+
+
+def report(directory: Path) -> str:
+    recs = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    fp32 = {(r["steps"], r["seed"]): r["val_loss"] for r in recs if r["candidate"] == "fp32"}
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in recs:
+        groups.setdefault((r["steps"], r["candidate"]), []).append(r)
+    lines = [f"{'steps':>5}  {'config':16s} {'seeds':7s} {'val loss':>8s} {'vs fp32 (per seed)':32s}"
+             f" {'compr.':>7s} {'Q bits':>6s}"]
+    for (steps, cand), rs in sorted(groups.items()):
+        rs.sort(key=lambda r: r["seed"])
+        vs = [100 * (r["val_loss"] / fp32[steps, r["seed"]] - 1) for r in rs
+              if (steps, r["seed"]) in fp32]
+        per = ", ".join(f"{v:+.2f}" for v in vs)
+        mean_vs = f"{statistics.fmean(vs):+.2f}% ({per})" if vs else ""
+        qb = [r["qlayer_bits"] for r in rs if r["qlayer_bits"] is not None]
+        lines.append(f"{steps:5d}  {cand:16s} {','.join(str(r['seed']) for r in rs):7s} "
+                     f"{statistics.fmean(r['val_loss'] for r in rs):8.4f} {mean_vs:32s} "
+                     f"{statistics.fmean(r['compression'] for r in rs):6.1f}x "
+                     f"{statistics.fmean(qb) if qb else float('nan'):6.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=str(ROOT / "results" / "default_fidelity"))
+    ap.add_argument("--runs", default="", help="comma list of CANDIDATES names")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--report", action="store_true")
+    args = ap.parse_args(argv)
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    for cand in [c for c in args.runs.split(",") if c]:
+        if cand not in CANDIDATES:
+            raise SystemExit(f"unknown candidate {cand!r}; known: {', '.join(CANDIDATES)}")
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            path = directory / f"{run_name(cand, args.steps, seed)}.json"
+            if path.exists():
+                continue
+            rec = execute(cand, args.steps, seed)
+            path.write_text(json.dumps(rec, indent=1))
+            print(f"[{time.strftime('%H:%M:%S')}] {rec['name']}: val {rec['val_loss']:.4f}, "
+                  f"{rec['compression']:.1f}x, Q bits {rec['qlayer_bits']}, "
+                  f"{rec['train_seconds']:.0f} s", flush=True)
+    print(report(directory))
+
+
+if __name__ == "__main__":
+    main()
