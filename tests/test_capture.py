@@ -450,9 +450,9 @@ def test_checkpoint_inputs_are_kept_exact(reentrant):
     ref = _ConvReluSegment(reentrant)
     q = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
     x = torch.randn(16, 8, 8, 8, requires_grad=reentrant)  # reentrant needs an input with grad
-    y = torch.randint(0, 10, (16,))
+    w = torch.randn(16, 10, generator=torch.Generator().manual_seed(1))
     for m in (ref, q):
-        F.cross_entropy(m(x), y).backward()
+        (m(x) * w).sum().backward()  # an exact output gradient (a loss on the output is routed)
     rel = (ref.block[0].bias.grad - q.block[0].bias.grad).norm() / ref.block[0].bias.grad.norm()
     assert rel < 1e-5, float(rel)
     assert cos(ref.block[0].weight.grad, q.block[0].weight.grad) >= 0.9999
@@ -477,10 +477,17 @@ def test_capturing_block_covers_the_loss():
     model = az.convert_model(nn.Sequential(nn.Linear(64, 512)), bits=2, strategy="uniform")
     x = torch.randn(256, 64)
     y = torch.randint(0, 512, (256,))
-    seen = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
-        F.cross_entropy(model(x), y)  # the loss outside the model: the plain op saves fp32
-    assert any(t.dtype == torch.float32 and t.shape == (256, 512) for t in seen)
+    for routed in (True, False):
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t,
+                                                      lambda t: t):
+            out = model(x)
+            if not routed:  # a plain tensor made from the output: torch's own loss
+                out = out.detach().requires_grad_()
+            F.cross_entropy(out, y)  # the loss outside the model: routed (capture/tail.py)
+        fp32_logits = any(t.dtype == torch.float32 and t.shape == (256, 512) for t in seen)
+        assert fp32_logits is not routed
+        assert (az.capture_report(model).routed.get("cross_entropy") == 1) is routed
     with az.capturing(model) as stats:
         loss = F.cross_entropy(model(x), y)
     loss.backward()

@@ -26,6 +26,7 @@ from .handlers import HANDLERS
 from .mode import CaptureMode, in_routed_segment, routed_segment
 from .._torch_private import inside_checkpoint
 from .store import CaptureStats, CompressedStore, outer_hooks_present
+from .tail import TailRouting, plain_inputs, wrap_outputs
 
 __all__ = ["Capture", "CaptureSession", "attach_capture", "detach_capture", "capture_report",
            "capturing", "checkpoint_context", "CAPTURE_ATTR", "MIN_NUMEL"]
@@ -144,7 +145,12 @@ class Capture:
             stack = self._local.open = []
         return stack
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
+    def _pre(self, module: nn.Module, args: Any) -> Any:
+        plain = plain_inputs(args)  # another converted model's output: an ordinary tensor here
+        self._open(module)
+        return None if plain is args else plain
+
+    def _open(self, module: nn.Module) -> None:
         if not (module.training and torch.is_grad_enabled()) or S.active_session() is not None:
             self._stack().append(None)  # nothing to open: eval, no_grad, or an outer session
             return
@@ -152,7 +158,7 @@ class Capture:
         session.open()
         self._stack().append(session)
 
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: nn.Module, args: Any, output: Any) -> Any:
         stack = self._stack()
         if not stack:
             return  # the pre-hook did not run (a hook of another library raised before it)
@@ -160,6 +166,10 @@ class Capture:
         if session is not None:
             session.close()
             self.last_stats = session.stats
+            if output is not None and not torch.compiler.is_compiling():
+                # the loss written after forward is routed too (capture/tail.py)
+                return wrap_outputs(output, TailRouting(self.qconfig, session.stats))
+        return None
 
     def attach(self, root: nn.Module) -> None:
         self._handles = [root.register_forward_pre_hook(self._pre),
@@ -255,8 +265,10 @@ def capturing(model: nn.Module) -> Iterator[Optional[CaptureStats]]:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
 
-    The automatic session covers only ``model.forward``; a loss computed outside it (the
-    [tokens, vocab] log-softmax of a language model) is captured only inside this block.
+    The automatic session covers only ``model.forward``. Of what runs after it, the loss
+    family (``cross_entropy``, ``softmax``, ``log_softmax``) called on the model's output is
+    routed without this block (the output is a ``CapturedOutput``, :mod:`.tail`); anything
+    else (another loss formula, products with the output) is captured only inside it.
     Yields the session's statistics (None when nothing is captured: eval mode, ``no_grad``, or
     a session already open in this thread, which then covers the block).
     """
