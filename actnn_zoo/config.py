@@ -761,20 +761,24 @@ def as_config(config: ConfigLike = None, **overrides: Any) -> QuantConfig:
 
 # ----------------------------------------------------------------------------- model-aware default
 # The default for models with attention (issue 31, docs/results.md "A default that fits the
-# model"). At the plain 2-bit average the text transformer's validation loss ended 3.1% above
-# fp32's after 300 steps and 8.7% after 1000, and moving bits between tensor classes inside
-# 2 bits did not help (the head's input or the softmax at 8 bits took them from the rest and
-# made it worse: +4.0% / +6.8% at 300 steps). So a transformer gets a larger budget, spent
-# first on what the per-class ablation (results/ablation_text.txt) found carries most of the
-# gradient error: the output head's input at 8 bits (27.6% of it), the softmax outputs and
-# what the capture tiers save (q, k, v, the attention matmuls' operands: 19.5% + 21.2%) at 4;
-# the actnn strategy spreads the rest of the budget over the other layers. The realised
-# average over every compressed value, capture tiers included, stays within the budget
-# (``ActNNStrategy`` counts the capture tiers' values at their width).
+# model", scripts/default_fidelity.py). At the plain 2-bit average the text transformer's
+# validation loss ended 3.1% above fp32's after 300 steps and 8.7% after 1000, and moving bits
+# between tensor classes inside 2 bits did not help (the head's input or the softmax at 8 bits
+# took them from the rest and made it worse: +4.0% / +6.8% at 300 steps). So a transformer
+# gets a larger budget, spent first on what the per-class ablation (results/ablation_text.txt)
+# found carries most of the gradient error: the output head's input at 8 bits (27.6% of it);
+# the softmax outputs, what the capture tiers save (q, k, v, the attention matmuls' operands)
+# and the inputs of attention's own linears (qkv, output projection) at 4 (19.5 + 21.2 +
+# 21.4%). The actnn strategy spreads what remains over the MLP, the norms and the GELU (about
+# 2.5 bits). 1000 steps: +0.83% on seed 0 at 10.5x; without the attention linears +1.75%
+# (2 seeds). The realised average over every compressed value, capture tier 3 included,
+# stays within the budget (``ActNNStrategy`` counts tier 3's values at their width).
 TRANSFORMER_BITS = 3.25
 TRANSFORMER_CAPTURE_BITS = 4
 TRANSFORMER_SOFTMAX_BITS = 4
 TRANSFORMER_HEAD_BITS = 8
+# the linears inside attention modules (q/k/v and output projections; 0: left to the strategy)
+TRANSFORMER_ATTENTION_LINEAR_BITS = 4
 # keys of convert_model's overrides that mean "I chose the budget / allocation myself": with
 # any of them the plain default applies, never the model-aware one
 _USER_ALLOCATION_KEYS = frozenset({"bits", "strategy", "capture_bits", "rules", "enabled"})
@@ -787,10 +791,35 @@ def has_attention(model: Any) -> bool:
     user's ``CausalSelfAttention``). Q-layers count as the class they replaced."""
     for module in model.modules():
         for cls in _module_classes(module):
-            if cls.__name__ in ("Softmax", "MultiheadAttention") or "attention" in \
-                    cls.__name__.lower():
+            if cls.__name__ == "Softmax" or _is_attention(cls):
                 return True
     return False
+
+
+def _is_attention(cls: type) -> bool:
+    return cls.__name__ == "MultiheadAttention" or "attention" in cls.__name__.lower()
+
+
+def _linear_like(module: Any) -> bool:
+    """nn.Linear (or a Q-layer of one) or Hugging Face's ``Conv1D`` (GPT-2's linear)."""
+    import torch.nn as tnn
+
+    return any(issubclass(c, tnn.Linear) or c.__name__ == "Conv1D"
+               for c in _module_classes(module))
+
+
+def _attention_linears(model: Any) -> List[str]:
+    """Names of the linear layers inside attention modules (the q/k/v and output
+    projections), outermost attention module first, each name once."""
+    names: List[str] = []
+    for prefix, module in model.named_modules():
+        if not any(_is_attention(c) for c in _module_classes(module)):
+            continue
+        for sub, child in module.named_modules():
+            name = f"{prefix}.{sub}" if prefix and sub else (prefix or sub)
+            if sub and _linear_like(child) and name not in names:
+                names.append(name)
+    return names
 
 
 def _last_linear(model: Any) -> Optional[str]:
@@ -812,8 +841,8 @@ def default_config(model: Any = None, **overrides: Any) -> QuantConfig:
     Models without attention (CNNs, MLPs): :class:`QuantConfig`'s defaults, the ``actnn``
     strategy at a 2-bit average. Models with attention (:func:`has_attention`): ``actnn`` at a
     ``TRANSFORMER_BITS`` (3.25-bit) average with the output head's input (the last Linear) at 8
-    bits, softmax modules at 4 and the capture tiers at 4; the other layers share what remains
-    of the budget. ``overrides`` apply on top; when they set ``bits``, ``strategy``,
+    bits, softmax modules, the linears inside attention modules and the capture tiers at 4;
+    the other layers share what remains of the budget. ``overrides`` apply on top; when they set ``bits``, ``strategy``,
     ``capture_bits``, ``rules`` or ``enabled`` the user has chosen the allocation and the
     plain defaults apply (a budget the user sets is the whole budget, never raised).
     """
@@ -822,8 +851,11 @@ def default_config(model: Any = None, **overrides: Any) -> QuantConfig:
     rules: List[Rule] = []
     if any(c.__name__ == "Softmax" for m in model.modules() for c in _module_classes(m)):
         rules.append(Rule(type=("Softmax",), bits=TRANSFORMER_SOFTMAX_BITS))
+    attention = _attention_linears(model) if TRANSFORMER_ATTENTION_LINEAR_BITS else []
+    if attention:
+        rules.append(Rule(name=tuple(attention), bits=TRANSFORMER_ATTENTION_LINEAR_BITS))
     head = _last_linear(model)
-    if head is not None:
+    if head is not None and head not in attention:
         rules.append(Rule(name=(head,), bits=TRANSFORMER_HEAD_BITS))
     cfg = QuantConfig(bits=TRANSFORMER_BITS, capture_bits=TRANSFORMER_CAPTURE_BITS,
                       rules=tuple(rules))

@@ -56,6 +56,18 @@ CANDIDATES: Dict[str, Any] = {
                     "rules": [{"type": "Softmax", "bits": 8}, {"pattern": HEAD, "bits": 8}]},
     "b3_attn4_head8": {"strategy": "actnn", "bits": 3, "capture_bits": 4,
                        "rules": [{"type": "Softmax", "bits": 4}, {"pattern": HEAD, "bits": 8}]},
+    # the model-aware default written out for the text transformer (config.default_config)
+    "t3.25": {"strategy": "actnn", "bits": 3.25, "capture_bits": 4,
+              "rules": [{"type": "Softmax", "bits": 4}, {"name": "head", "bits": 8}]},
+    # ... and the attention's own linears (qkv, projection) at 4 as well
+    "t3.25_attnlin4": {"strategy": "actnn", "bits": 3.25, "capture_bits": 4,
+                       "rules": [{"type": "Softmax", "bits": 4},
+                                 {"pattern": ["*.attn.qkv", "*.attn.proj"], "bits": 4},
+                                 {"name": "head", "bits": 8}]},
+    # the new default's rules at other budgets (its bits-vs-loss curve)
+    **{f"t{b:g}": {"strategy": "actnn", "bits": b, "capture_bits": 4,
+                   "rules": [{"type": "Softmax", "bits": 4}, {"name": "head", "bits": 8}]}
+       for b in (2.75, 3.75, 4.5)},
     "b3": {"strategy": "actnn", "bits": 3},
     "b3.5": {"strategy": "actnn", "bits": 3.5},
     "b4_cap2": {"strategy": "actnn", "bits": 4, "capture_bits": 2},
@@ -131,6 +143,57 @@ def report(directory: Path) -> str:
     return "\n".join(lines)
 
 
+def plot(directory: Path, out: Path) -> str:
+    """Validation loss vs fp32 against saved bits (32 / compression), 300 steps, seed 0: the
+    old default's curve (``actnn`` at 1.5-4 bits with plain settings, from
+    ``results/bits_vs_loss/``) beside the new default's rules at budgets 2.75-4.5 (this
+    script's ``t*`` runs); the 1000-step points of both defaults as larger markers. Returns
+    the table it plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def load(p: Path) -> Dict[str, Any]:
+        return json.loads(p.read_text())
+
+    bvl = ROOT / "results" / "bits_vs_loss"
+    fp = load(bvl / "text_fp32_s0.json")["metric"]
+    old = [(32 / r["compression"], 100 * (r["metric"] / fp - 1), r["label"])
+           for r in map(load, sorted(bvl.glob("text_actnn_*b_s0.json")))]
+    recs = {r["name"]: r for r in map(load, sorted(directory.glob("*.json")))}
+    fp300 = recs["text_fp32_300st_s0"]["val_loss"]
+    new = [(r["storage_bits"], 100 * (r["val_loss"] / fp300 - 1), r["candidate"])
+           for n, r in recs.items() if r["steps"] == 300 and r["seed"] == 0
+           and (r["candidate"] in ("t2.75", "t3.25", "t3.75", "t4.5"))]
+    long = []
+    for cand, label in (("default", "new default"), ("t3.25_attnlin4", "+ attention linears at 4")):
+        rs = [r for r in recs.values() if r["candidate"] == cand and r["steps"] == 1000]
+        if rs:
+            vs = statistics.fmean(100 * (r["val_loss"] / recs[f"text_fp32_1000st_s{r['seed']}"]
+                                         ["val_loss"] - 1) for r in rs)
+            long.append((statistics.fmean(r["storage_bits"] for r in rs), vs,
+                         f"{label}, 1000 steps, {len(rs)} seeds"))
+    long.append((32 / 15.9, 8.7, "old default, 1000 steps, 3 seeds"))  # results.md (demo)
+    old.sort()
+    new.sort()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot([p[0] for p in old], [p[1] for p in old], "o-", label="old default (actnn, plain), 300 steps")
+    ax.plot([p[0] for p in new], [p[1] for p in new], "s-", label="new default's rules, 300 steps")
+    for x, y, lab in long:
+        ax.plot([x], [y], "D", markersize=8, label=lab)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axvline(3.2, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("saved bits per value (32 / compression); dotted: 10x")
+    ax.set_ylabel("validation loss vs fp32 (%)")
+    ax.set_title("char transformer: the default's bits against loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    rows = [f"{lab:40s} {x:5.2f} bits ({32 / x:4.1f}x)  {y:+.2f}%" for x, y, lab in old + new + long]
+    return "\n".join(rows)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=str(ROOT / "results" / "default_fidelity"))
@@ -138,7 +201,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--plot", action="store_true",
+                    help="results/default_fidelity.png: the old default's curve and the new one")
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(Path(args.dir), ROOT / "results" / "default_fidelity.png"))
+        return
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     for cand in [c for c in args.runs.split(",") if c]:

@@ -54,15 +54,21 @@ def test_attention_models_get_the_transformer_default():
     cfg = default_config(model)
     assert cfg.bits == TRANSFORMER_BITS == 3.25 and cfg.strategy == "actnn"
     assert cfg.capture_bits == 4
-    assert cfg.rules == (Rule(type=("Softmax",), bits=4), Rule(name=("head",), bits=8))
-    # no Softmax module: only the head rule (a rule that matched nothing would warn)
-    assert default_config(MHA()).rules == (Rule(name=("fc",), bits=8),)
+    attention = tuple(f"blocks.{i}.attn.{n}" for i in (0, 1) for n in ("qkv", "proj"))
+    assert cfg.rules == (Rule(type=("Softmax",), bits=4), Rule(name=attention, bits=4),
+                         Rule(name=("head",), bits=8))
+    # no Softmax module: no softmax rule (a rule that matched nothing would warn); the
+    # MultiheadAttention's out_proj is a Linear inside attention
+    assert default_config(MHA()).rules == (Rule(name=("attn.out_proj",), bits=4),
+                                           Rule(name=("fc",), bits=8))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no unmatched-rule warning from the default
         converted = az.convert_model(model)
     assert converted.actnn_zoo_report.config == cfg
     assert converted.head.qconfig.bits == 8
     assert converted.blocks[0].attn.softmax.qconfig.bits == 4
+    assert converted.blocks[1].attn.qkv.qconfig.bits == converted.blocks[1].attn.proj.qconfig.bits == 4
+    assert converted.blocks[1].mlp[0].qconfig.bits == 2  # free: the strategy's (<= budget)
     assert precision_strategy(converted).budget == TRANSFORMER_BITS
     # a converted model (Q-layers) is still recognised: re-conversion gives the same config
     assert has_attention(converted) and default_config(converted) == cfg
