@@ -64,10 +64,18 @@ CANDIDATES: Dict[str, Any] = {
                        "rules": [{"type": "Softmax", "bits": 4},
                                  {"pattern": ["*.attn.qkv", "*.attn.proj"], "bits": 4},
                                  {"name": "head", "bits": 8}]},
-    # the new default's rules at other budgets (its bits-vs-loss curve)
+    # the new default's rules (t3.25_attnlin4) at other budgets: its bits-vs-loss curve
     **{f"t{b:g}": {"strategy": "actnn", "bits": b, "capture_bits": 4,
-                   "rules": [{"type": "Softmax", "bits": 4}, {"name": "head", "bits": 8}]}
+                   "rules": [{"type": "Softmax", "bits": 4},
+                             {"pattern": ["*.attn.qkv", "*.attn.proj"], "bits": 4},
+                             {"name": "head", "bits": 8}]}
        for b in (2.75, 3.75, 4.5)},
+    # ... and the MLP's first linear too: every linear's input at 4 but the MLP's down
+    # projection (the widest input: 4x the values, 2.7% of the 2-bit gradient error)
+    "t3.25_lin4": {"strategy": "actnn", "bits": 3.25, "capture_bits": 4,
+                   "rules": [{"type": "Softmax", "bits": 4},
+                             {"pattern": ["*.attn.qkv", "*.attn.proj", "*.mlp.0"], "bits": 4},
+                             {"name": "head", "bits": 8}]},
     "b3": {"strategy": "actnn", "bits": 3},
     "b3.5": {"strategy": "actnn", "bits": 3.5},
     "b4_cap2": {"strategy": "actnn", "bits": 4, "capture_bits": 2},
@@ -165,9 +173,10 @@ def plot(directory: Path, out: Path) -> str:
     fp300 = recs["text_fp32_300st_s0"]["val_loss"]
     new = [(r["storage_bits"], 100 * (r["val_loss"] / fp300 - 1), r["candidate"])
            for n, r in recs.items() if r["steps"] == 300 and r["seed"] == 0
-           and (r["candidate"] in ("t2.75", "t3.25", "t3.75", "t4.5"))]
+           and (r["candidate"] in ("t2.75", "t3.25_attnlin4", "t3.75", "t4.5"))]
     long = []
-    for cand, label in (("default", "new default"), ("t3.25_attnlin4", "+ attention linears at 4")):
+    for cand, label in (("t3.25_attnlin4", "new default"),
+                        ("t3.25", "new default without attention linears")):
         rs = [r for r in recs.values() if r["candidate"] == cand and r["steps"] == 1000]
         if rs:
             vs = statistics.fmean(100 * (r["val_loss"] / recs[f"text_fp32_1000st_s{r['seed']}"]

@@ -356,13 +356,17 @@ class ActNNStrategy(PrecisionStrategy):
         seen = [w for w in self.watched if w.stats.values > 0]
         free = [w for w in seen if w.pinned_bits is None]
         cap_values, cap_bits = self._capture_load()
-        total = sum(w.stats.values for w in seen) + cap_values
         free_values = sum(w.stats.values for w in free)
         if not free_values:
             return
-        pinned_cost = sum(w.pinned_bits * w.stats.values
-                          for w in seen if w.pinned_bits is not None) + cap_bits * cap_values
-        b_free = (self.budget * total - pinned_cost) / free_values
+        # what the pinned layers and the capture tiers spend above (or below) the budget; the
+        # free layers make up for it. Written as an excess, b_free is exactly the budget when
+        # nothing is pinned and the tiers use the budget's width (the CNN default: 2 and 2).
+        excess = sum((w.pinned_bits - self.budget) * w.stats.values
+                     for w in seen if w.pinned_bits is not None)
+        if cap_values:
+            excess += (cap_bits - self.budget) * cap_values
+        b_free = self.budget - excess / free_values
         if b_free < 1.0 and not self._warned:
             self._warned = True
             warnings.warn(f"actnn_zoo: layers pinned by rules and the capture tiers "
