@@ -11,8 +11,10 @@ from .attach import (CAPTURE_ATTR, MIN_NUMEL, Capture, CaptureSession, attach_ca
                      capture_report, capturing, checkpoint_context, detach_capture)
 from .handlers import HANDLERS
 from .store import CaptureStats, CompressedStore
+from .tail import CapturedOutput
 
-__all__ = ["Capture", "CaptureSession", "CaptureStats", "CompressedStore", "HANDLERS",
+__all__ = ["Capture", "CaptureSession", "CaptureStats", "CapturedOutput", "CompressedStore",
+           "HANDLERS",
            "attach_capture", "detach_capture", "capture_report", "capturing", "checkpoint_context",
            "active_session", "observing",
            "CAPTURE_ATTR", "MIN_NUMEL"]
