@@ -65,14 +65,19 @@ class Result:
 
     model: str
     seed: int
-    gact: float  # E ||g_q - g||^2 over the weight matrices
+    gact: float  # E ||g_q - g||^2 over every parameter
     gact_se: float  # its standard error over the draws
     uniform: float
     uniform_se: float
+    gact_w: float  # the same over the conv / linear weight matrices (not embeddings)
+    gact_w_se: float
+    uniform_w: float
+    uniform_w_se: float
     gact_bytes: int  # saved bytes after one forward + loss
     uniform_bytes: int
     gact_bits: float  # the realised average width of the Q-layers
     widths: Dict[str, float]
+    predicted: Optional[float]  # GACT's predicted variance / uniform's at its last update
     seconds: float
 
     @property
@@ -82,8 +87,19 @@ class Result:
     @property
     def ratio_se(self) -> float:
         """Standard error of the ratio (delta method, independent draws)."""
-        return self.ratio * math.sqrt((self.gact_se / self.gact) ** 2
-                                      + (self.uniform_se / self.uniform) ** 2)
+        return _ratio_se(self.gact, self.gact_se, self.uniform, self.uniform_se)
+
+    @property
+    def ratio_w(self) -> float:
+        return self.gact_w / self.uniform_w
+
+    @property
+    def ratio_w_se(self) -> float:
+        return _ratio_se(self.gact_w, self.gact_w_se, self.uniform_w, self.uniform_w_se)
+
+
+def _ratio_se(a: float, a_se: float, b: float, b_se: float) -> float:
+    return a / b * math.sqrt((a_se / a) ** 2 + (b_se / b) ** 2)
 
 
 def _loss(out: Tensor, y: Tensor) -> Tensor:
@@ -108,29 +124,32 @@ def _digit_batches(x: Tensor, y: Tensor, batch: int, seed: int
         yield from iterate_minibatches(x, y, batch, g)
 
 
-def setup(name: str, seed: int) -> Setup:
-    """The model of ``name`` initialised from ``seed``, its data and a held-out batch."""
+def setup(name: str, seed: int, tiny: bool = False) -> Setup:
+    """The model of ``name`` initialised from ``seed``, its data and a held-out batch
+    (``tiny``: half the width and batch, for the test suite)."""
     from actnn_zoo.data import load_digits_data, load_text_corpus, random_windows
     from actnn_zoo.models import CharTransformer, DigitsResNet, GPT2LM
 
     torch.manual_seed(seed)
     if name == "digits":
         data = load_digits_data()
-        model: nn.Module = DigitsResNet(width=16)
-        return Setup(model, _digit_batches(data.x_train, data.y_train, 64, seed),
-                     (data.x_test[:128], data.y_test[:128]), 0.05, False)
+        model: nn.Module = DigitsResNet(width=8 if tiny else 16)
+        batch = 32 if tiny else 64
+        return Setup(model, _digit_batches(data.x_train, data.y_train, batch, seed),
+                     (data.x_test[:2 * batch], data.y_test[:2 * batch]), 0.05, False)
     if name not in ("text", "gpt2"):
         raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
     corpus = load_text_corpus(200_000)
-    context = 32
+    context, width, batch = (16, 32, 8) if tiny else (32, 64, 16)
     if name == "text":
-        model = CharTransformer(vocab_size=corpus.vocab_size, d_model=64, n_heads=4,
+        model = CharTransformer(vocab_size=corpus.vocab_size, d_model=width, n_heads=4,
                                 n_layers=2, context=context)
     else:
-        model = GPT2LM(vocab_size=corpus.vocab_size, n_embd=64, n_layer=2, n_head=4,
+        model = GPT2LM(vocab_size=corpus.vocab_size, n_embd=width, n_layer=2, n_head=4,
                        context=context)
-    held = random_windows(corpus.val, context, 16, torch.Generator().manual_seed(1000 + seed))
-    return Setup(model, _text_batches(corpus.train, context, 16, seed), held, 3e-3, True)
+    held = random_windows(corpus.val, context, 2 * batch,
+                          torch.Generator().manual_seed(1000 + seed))
+    return Setup(model, _text_batches(corpus.train, context, batch, seed), held, 3e-3, True)
 
 
 def _dropout(model: nn.Module, p: Optional[float]) -> List[float]:
@@ -166,15 +185,21 @@ def weight_names(model: nn.Module) -> List[str]:
 
 
 def error(model: nn.Module, x: Tensor, y: Tensor, exact: List[Tensor], names: Sequence[str],
-          draws: int) -> Tuple[float, float]:
-    """Mean and standard error over ``draws`` passes of ``||g_q - g||^2`` (summed over
-    ``names``)."""
-    vals = []
+          subset: Sequence[str], draws: int) -> Tuple[float, float, float, float]:
+    """Mean and standard error over ``draws`` passes of ``||g_q - g||^2`` summed over
+    ``names`` (every parameter), then the same over ``subset`` of them."""
+    full, part = [], []
+    keep = set(subset)
     for _ in range(draws):
         g = _grads(model, x, y, names)
-        vals.append(sum(float((a - b).square().sum()) for a, b in zip(g, exact)))
-    t = torch.tensor(vals, dtype=torch.float64)
-    return float(t.mean()), float(t.std() / math.sqrt(draws)) if draws > 1 else 0.0
+        sq = [float((a - b).square().sum()) for a, b in zip(g, exact)]
+        full.append(sum(sq))
+        part.append(sum(v for n, v in zip(names, sq) if n in keep))
+    out: List[float] = []
+    for vals in (full, part):
+        t = torch.tensor(vals, dtype=torch.float64)
+        out += [float(t.mean()), float(t.std() / math.sqrt(draws)) if draws > 1 else 0.0]
+    return out[0], out[1], out[2], out[3]
 
 
 def _bytes(model: nn.Module, x: Tensor, y: Tensor) -> int:
@@ -183,12 +208,12 @@ def _bytes(model: nn.Module, x: Tensor, y: Tensor) -> int:
 
 def measure(name: str, seed: int, steps: int = 30, draws: int = 16, bits: float = 2,
             interval: int = 10, probe_samples: int = 8, threads: Optional[int] = None,
-            configure: Optional[Callable[[Any], None]] = None) -> Result:
+            configure: Optional[Callable[[Any], None]] = None, tiny: bool = False) -> Result:
     """GACT trained ``steps`` steps vs uniform ``bits`` on the same weights (module doc)."""
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    st = setup(name, seed)
+    st = setup(name, seed, tiny)
     base = st.model
     model = az.convert_model(copy.deepcopy(base), strategy="gact", bits=bits,
                              update_interval=interval)
@@ -215,16 +240,22 @@ def measure(name: str, seed: int, steps: int = 30, draws: int = 16, bits: float 
     fp32 = copy.deepcopy(base)
     fp32.load_state_dict(az.restore_model(copy.deepcopy(model)).state_dict())
     _dropout(fp32, 0.0)
-    names = weight_names(fp32)
+    names = [n for n, p in fp32.named_parameters() if p.requires_grad]
+    weights = weight_names(fp32)
     exact = _grads(fp32, x, y, names)
     uni = az.convert_model(copy.deepcopy(fp32), strategy="uniform", bits=int(bits))
     torch.manual_seed(seed + 200)
     _grads(uni, x, y, names)  # first forward: the ReLUs learn what the next layer saves
-    gm, gse = error(model, x, y, exact, names, draws)
-    um, use = error(uni, x, y, exact, names, draws)
+    gm, gse, gw, gwse = error(model, x, y, exact, names, weights, draws)
+    um, use, uw, uwse = error(uni, x, y, exact, names, weights, draws)
     gb, ub = _bytes(model, x, y), _bytes(uni, x, y)
-    return Result(name, seed, gm, gse, um, use, gb, ub, float(s.report()["average_bits"]),
-                  s.layer_budgets(), time.perf_counter() - t0)
+    return Result(name, seed, gm, gse, um, use, gw, gwse, uw, uwse, gb, ub,
+                  float(s.report()["average_bits"]), s.layer_budgets(),
+                  s.report()["predicted_ratio"], time.perf_counter() - t0)
+
+
+def _fmt(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -236,7 +267,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bits", type=float, default=2.0)
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--estimator", default=None)
+    ap.add_argument("--estimator", default=None, help="gact's estimator (default: its own)")
+    ap.add_argument("--min-gain", type=float, default=None,
+                    help="gact's min_gain (default: its own)")
     ap.add_argument("--widths", action="store_true", help="print GACT's widths per tensor")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -248,17 +281,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def configure(s: Any) -> None:
         if args.estimator:
             s.estimator = args.estimator
+        if args.min_gain is not None:
+            s.min_gain = args.min_gain
     print(f"GACT vs uniform at {args.bits:g} bits after {args.steps} steps "
           f"(update_interval {args.interval}), {args.draws} draws each")
+    print("error: E ||g_q - g||^2 against the exact fp32 gradient, over every parameter; "
+          "'weights': over the conv / linear weight matrices only (embeddings and a head tied "
+          "to them excluded); ± one standard error over the draws")
     print(f"{'model':7s} {'seed':>4s} {'gact bits':>9s} {'gact err':>10s} {'uniform err':>11s} "
-          f"{'gact/uniform':>14s} {'bytes gact/uniform':>18s} {'s':>6s}")
+          f"{'gact/uniform':>14s} {'weights':>14s} {'bytes gact/uni':>14s} {'predicted':>9s} "
+          f"{'s':>6s}")
     for m in models:
         for seed in seeds:
             r = measure(m, seed, args.steps, args.draws, args.bits, args.interval,
                         threads=args.threads, configure=configure)
             print(f"{m:7s} {seed:4d} {r.gact_bits:9.3f} {r.gact:10.4g} {r.uniform:11.4g} "
-                  f"{r.ratio:7.3f} ± {r.ratio_se:.3f} {r.gact_bytes / r.uniform_bytes:18.4f} "
-                  f"{r.seconds:6.1f}", flush=True)
+                  f"{r.ratio:7.3f} ± {r.ratio_se:.3f} {r.ratio_w:7.3f} ± {r.ratio_w_se:.3f} "
+                  f"{r.gact_bytes / r.uniform_bytes:14.4f} "
+                  f"{_fmt(r.predicted):>9s} {r.seconds:6.1f}", flush=True)
             if args.widths:
                 print("   ", {k: int(v) for k, v in r.widths.items()})
     return 0

@@ -64,8 +64,10 @@ off the budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -73,16 +75,16 @@ import torch
 from torch import Tensor, nn
 
 from .._compile import EagerHook
-from ..quant import SampleBits
+from .._session import active_session
 from ..quant.seeds import seed_stream
 from .base import PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
-from .stats import LayerKind, LayerStats, count_call, layer_kind, set_width
+from .stats import LayerKind, LayerStats, count_call, layer_kind
 
 __all__ = ["GACTStrategy", "greedy_widths", "variance_cost", "ESTIMATORS"]
 
 WIDTHS: Tuple[int, ...] = (1, 2, 4, 8)
-ESTIMATORS: Tuple[str, ...] = ("joint", "per_tensor")
+ESTIMATORS: Tuple[str, ...] = ("hybrid", "joint", "per_tensor")
 _DOWN = {8: 4, 4: 2, 2: 1}
 _UP = {1: 2, 2: 4, 4: 8}
 
@@ -91,13 +93,30 @@ def _v(b: int) -> float:
     return 1.0 / float((1 << b) - 1) ** 2
 
 
-def variance_cost(score: Sequence[float], bits: Sequence[int]) -> float:
-    """``sum C_l / (2^b_l - 1)^2``: the gradient variance the model predicts."""
-    return sum(c * _v(b) for c, b in zip(score, bits))
+def variance_cost(score: Sequence[float], bits: Sequence[int],
+                  one_bit: Optional[Sequence[Optional[float]]] = None) -> float:
+    """``sum C_l / (2^b_l - 1)^2``: the gradient variance the model predicts (with
+    ``one_bit[l]``, when not None, as tensor l's variance at 1 bit)."""
+    return sum(_var(c, b, None if one_bit is None else one_bit[i])
+               for i, (c, b) in enumerate(zip(score, bits)))
+
+
+def _var(c: float, b: int, one: Optional[float]) -> float:
+    return one if b == 1 and one is not None else c * _v(b)
+
+
+def convex_one_bit(c: float, one: Optional[float]) -> Optional[float]:
+    """A measured 1-bit variance, raised where needed so that the step 2 -> 1 costs at least
+    as much per bit as the step 4 -> 2 (the greedy's keys then increase along each chain,
+    which its optimality needs): ``max(one, C v(2) + C (v(2) - v(4)) / 2)``."""
+    if one is None:
+        return None
+    return max(float(one), c * _v(2) + c * (_v(2) - _v(4)) / 2.0)
 
 
 def greedy_widths(score: Sequence[float], size: Sequence[float], budget: float,
-                  fill: bool = True) -> List[int]:
+                  fill: bool = True, one_bit: Optional[Sequence[Optional[float]]] = None
+                  ) -> List[int]:
     """GACT's greedy: widths in {1, 2, 4, 8} with ``sum size_l b_l <= budget * sum size_l``.
 
     ``score``: C_l >= 0; ``size``: n_l > 0 (values of tensor l); ``budget``: the average width
@@ -105,19 +124,24 @@ def greedy_widths(score: Sequence[float], size: Sequence[float], budget: float,
     heap) until the budget holds; with ``fill``, spend what the last step left on upgrades
     that fit, best gain per bit first. Without ``fill`` the result is optimal among all
     allocations that spend at most as many bits (module doc); with it, it is no worse.
+    ``one_bit``: per tensor its variance at 1 bit where measured (None: ``C_l``, the model's);
+    it must keep each chain's keys increasing (:func:`convex_one_bit`).
     Deterministic: ties go to the lower index.
     """
     m = len(score)
     if len(size) != m:
         raise ValueError(f"score has {m} entries, size {len(size)}")
+    if one_bit is not None and len(one_bit) != m:
+        raise ValueError(f"score has {m} entries, one_bit {len(one_bit)}")
     if m == 0:
         return []
+    ones: List[Optional[float]] = list(one_bit) if one_bit is not None else [None] * m
     budget = min(max(float(budget), 1.0), 8.0)
     total = float(sum(size))
     allowed = budget * total * (1.0 + 1e-12)  # float slack: budget 2 must admit all-2
     bits = [8] * m
     spent = 8.0 * total
-    heap = [(_step_key(score[i], size[i], 8), i) for i in range(m)]
+    heap = [(_step_key(score[i], size[i], 8, ones[i]), i) for i in range(m)]
     heapq.heapify(heap)
     while spent > allowed and heap:
         _, i = heapq.heappop(heap)
@@ -126,7 +150,7 @@ def greedy_widths(score: Sequence[float], size: Sequence[float], budget: float,
         bits[i] = nb
         spent -= size[i] * (b - nb)
         if nb > 1:
-            heapq.heappush(heap, (_step_key(score[i], size[i], nb), i))
+            heapq.heappush(heap, (_step_key(score[i], size[i], nb, ones[i]), i))
     if fill:
         while True:
             best, best_gain = -1, -1.0
@@ -137,7 +161,7 @@ def greedy_widths(score: Sequence[float], size: Sequence[float], budget: float,
                 cost = size[i] * (_UP[b] - b)
                 if spent + cost > allowed:
                     continue
-                gain = score[i] * (_v(b) - _v(_UP[b])) / cost
+                gain = (_var(score[i], b, ones[i]) - _var(score[i], _UP[b], ones[i])) / cost
                 if gain > best_gain:
                     best, best_gain = i, gain
             if best < 0:
@@ -148,10 +172,47 @@ def greedy_widths(score: Sequence[float], size: Sequence[float], budget: float,
     return bits
 
 
-def _step_key(c: float, n: float, b: int) -> float:
+def _step_key(c: float, n: float, b: int, one: Optional[float] = None) -> float:
     """Variance added per bit saved by the step down from width ``b``."""
     nb = _DOWN[b]
-    return c * (_v(nb) - _v(b)) / (n * (b - nb))
+    return (_var(c, nb, one) - _var(c, b, one)) / (n * (b - nb))
+
+
+@dataclass
+class _Estimate:
+    """What one probe measured: the free layers probed (execution order), their C_l (0-d
+    device tensors), layer index -> the layer that compressed the same tensor first, and the
+    layers whose tensor is stored as sparse codes with its nonzero fraction (0-d tensors)."""
+
+    layers: List["_Layer"]
+    sensitivity: List[Tensor]
+    leaders: Dict[int, int]
+    sparse: List["_Layer"]
+    density: List[Tensor]
+    measured_1bit: List["_Layer"] = dataclasses.field(default_factory=list)
+    one_bit: List[Tensor] = dataclasses.field(default_factory=list)  # their variance at 1 bit
+
+
+def _half_sq(ref: List[Optional[Tensor]], other: List[Optional[Tensor]], idx: Any,
+             dev: torch.device) -> Tensor:
+    """``||ref - other||^2 / 2`` over the gradients ``idx`` (a 0-d float64 tensor on ``dev``):
+    the variance the re-seeded tensors add, for two passes that differ only in their rounding."""
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    for j in idx:
+        a, b = ref[j], other[j]
+        if a is None or b is None:
+            continue
+        total = total + torch.linalg.vector_norm((a - b).to(torch.float64)).square().to(dev)
+    return total / 2.0
+
+
+def _memory(x: Tensor) -> Optional[Tuple]:
+    """The memory ``x`` views (what the capture store keys a shared payload on), or None."""
+    try:
+        ptr = x.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (x.device, ptr, x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
 
 
 @dataclass
@@ -178,9 +239,16 @@ class _Layer:
         self.kind = kind
         self.pinned_bits = tl.pinned_bits
         self.stats = LayerStats()
+        self.qconfig0 = tl.module.qconfig  # restored on detach
         self.width: int = int(tl.module.qconfig.bits)  # type: ignore[attr-defined]
         self.sensitivity: Optional[float] = None  # C_l, host, from the last applied update
-        self._full: Optional[SampleBits] = None  # cached uniform widths for this batch size
+        # bytes: the values coded per value of the tensor (its nonzero fraction where it is
+        # stored as sparse codes, a ReLU output: mask + codes of the nonzeros), and the
+        # layer that compresses the same tensor first in the forward (None: this one), whose
+        # payload this layer's save shares; both from the last applied probe
+        self.density = 1.0
+        self.leader: Optional[int] = None
+        self.one_bit: Optional[float] = None  # measured variance at 1 bit (None: the model's)
         self.quantized = False  # the last forward compressed a tensor of this layer
         self._counted: Optional[Tuple[int, bool]] = None  # the forward stats.* belong to
 
@@ -214,9 +282,22 @@ class _Layer:
         count_call(self.stats, key != self._counted, n, rows.numel() // n)
         self._counted = key
         self.quantized = True
-        if self.pinned_bits is not None:
-            return
-        self._full = set_width(module, self.stats, self.width, n, x.device, self._full)
+
+    def set_width(self, width: int) -> None:
+        """The layer's width, as its qconfig's ``bits``: an int width, not per-sample widths,
+        so its payload has no per-row widths and offsets (9 bytes a row) and a tensor two
+        layers save at the same width is compressed once (the capture store shares payloads
+        of one memory at one int width, never per-sample ones)."""
+        self.width = width
+        m = self.module
+        if m.qconfig.bits != width:  # type: ignore[attr-defined]
+            object.__setattr__(m, "qconfig", dataclasses.replace(m.qconfig, bits=width))
+        object.__setattr__(m, "sample_bits", None)
+        self.stats.bits = None
+
+    def values(self) -> float:
+        """Values the last training forward compressed here, all calls."""
+        return float(self.stats.numel * self.stats.samples)
 
     def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
         """After the layer: back to a neutral seed, so what follows is the same in every pass."""
@@ -235,7 +316,7 @@ class GACTStrategy(PrecisionStrategy):
 
     name = "gact"
 
-    def __init__(self, config, probe_samples: int = 8, estimator: str = "joint",
+    def __init__(self, config, probe_samples: int = 8, estimator: str = "hybrid",
                  probe_repeats: int = 1) -> None:
         super().__init__(config)
         if estimator not in ESTIMATORS:
@@ -254,12 +335,16 @@ class GACTStrategy(PrecisionStrategy):
         self._model: Optional[nn.Module] = None
         self._record_next = False  # this step's batch is kept for the next step's probe
         self._recording: Optional[_Recording] = None
-        self._pending: Optional[Tuple[List[_Layer], DeferredRead]] = None
+        self._pending: Optional[Tuple[_Estimate, DeferredRead]] = None
         # seed control during a probe: base seed, the layers re-seeded in this pass
         self._seed_base = 0
         self._variant: Set[int] = set()
         self._streams: List[seed_stream] = []  # open per-layer seed streams (probe only)
         self._warned = False
+        # the least predicted gain over uniform widths (at an integer budget) that a new
+        # allocation must promise to be applied; the last prediction (None: not compared)
+        self.min_gain = 0.1
+        self.predicted_ratio: Optional[float] = None
 
     # -- attach / detach ------------------------------------------------------------------
     def attach(self, model: nn.Module, layers: Sequence[TrackedLayer]) -> None:
@@ -280,6 +365,8 @@ class GACTStrategy(PrecisionStrategy):
             self._keep(model.register_forward_hook(EagerHook(self.on_model_output)))
 
     def detach(self) -> None:
+        for w in self.layers_:  # the widths the config gave
+            object.__setattr__(w.module, "qconfig", w.qconfig0)
         super().detach()
         self.layers_ = []
         self._model = None
@@ -379,7 +466,7 @@ class GACTStrategy(PrecisionStrategy):
             with torch.random.fork_rng(devices=devices):
                 start = torch.get_rng_state()
                 cuda_start = [torch.cuda.get_rng_state(d) for d in devices]
-                estimates: List[Tuple[List[_Layer], List[Tensor]]] = []
+                estimates: List[_Estimate] = []
                 for r in range(self.probe_repeats):
                     base = (self.probes * self.probe_repeats + r) * 4 * (len(self.layers_) + 1)
                     self._seed_base = base % (2 ** 62)
@@ -400,11 +487,18 @@ class GACTStrategy(PrecisionStrategy):
                 for b, v in zip(model.buffers(), buffers):
                     b.copy_(v)
         self.probes += 1
-        layers = estimates[0][0] if estimates else []
-        if not layers:
+        first = estimates[0] if estimates else None
+        if first is None or not first.layers:
             return
-        sens = torch.stack([torch.stack(e[1]) for e in estimates]).mean(0)
-        self._pending = (layers, DeferredRead(sens))
+        sens = torch.stack([torch.stack(e.sensitivity) for e in estimates]).mean(0)
+        # one read for everything: sensitivities, then the sparse tensors' nonzero fractions
+        parts = [sens.to(torch.float64).reshape(-1)]
+        parts += [d.to(sens.device, torch.float64).reshape(1) for d in first.density]
+        if first.one_bit:
+            parts.append(torch.stack([torch.stack(e.one_bit) for e in estimates]).mean(0)
+                         .to(sens.device, torch.float64).reshape(-1))
+        values = torch.cat(parts)
+        self._pending = (first, DeferredRead(values))
 
     def _pass(self, model: nn.Module, rec: _Recording, params: List[nn.Parameter]
               ) -> List[Optional[Tensor]]:
@@ -420,19 +514,53 @@ class GACTStrategy(PrecisionStrategy):
                                     grad_outputs=[g for _, g in pairs], allow_unused=True)
         return list(grads)
 
-    def _estimate(self, run, params: List[nn.Parameter]
-                  ) -> Tuple[List[_Layer], List[Tensor]]:
-        """(free tensors probed, their C_l as 0-d device tensors) from passes of ``run``."""
+    def _estimate(self, run, params: List[nn.Parameter]) -> "_Estimate":
+        """The free tensors probed, their C_l as 0-d device tensors, and what decides their
+        bytes, from passes of ``run``."""
         order: List[int] = []
         seen: Set[int] = set()
+        est = _Estimate([], [], {}, [], [])
+        # memory of a conv / linear input -> (the tensor, weakly, its first layer); memory of
+        # ReLU outputs stored as sparse codes -> the tensor, weakly. The weak reference tells
+        # whether the memory still holds that tensor: a compressed layer input is freed after
+        # its layer and its memory reused by a later tensor of the same shape.
+        first_saver: Dict[Tuple, Tuple["weakref.ref[Tensor]", int]] = {}
+        relu_out: Dict[Tuple, "weakref.ref[Tensor]"] = {}
 
         def note(mod: nn.Module, args: Tuple) -> None:
             i = index.get(id(mod))
-            if i is not None and i not in seen:
-                seen.add(i)
-                order.append(i)
+            if i is None or i in seen:
+                return
+            seen.add(i)
+            order.append(i)
+            w = self.layers_[i]
+            x = args[0] if args else None
+            if not (w.free and w.quantized and w.kind is not None and w.kind.modelled
+                    and isinstance(x, Tensor)) or active_session() is None:
+                return  # no capture session, no store: no shared payload, no sparse codes
+            key = _memory(x)
+            if key is None:
+                return
+            hit = first_saver.get(key)
+            if hit is not None and hit[0]() is not None:
+                est.leaders[i] = hit[1]
+                return
+            first_saver[key] = (weakref.ref(x), i)
+            out = relu_out.get(key)
+            if out is not None and out() is not None:
+                est.sparse.append(w)
+                est.density.append((x != 0).sum() / max(1, x.numel()))
+
+        def relu_done(mod: nn.Module, args: Tuple, out: object) -> None:
+            slot = vars(mod).get("_zero_codes")  # QReLU's ZeroCodeSlot (_session.py)
+            if isinstance(out, Tensor) and slot is not None and getattr(slot, "enabled", False):
+                key = _memory(out)
+                if key is not None:
+                    relu_out[key] = weakref.ref(out)
         index = {id(w.module): w.index for w in self.layers_}
         handles = [w.module.register_forward_pre_hook(note) for w in self.layers_]
+        handles += [w.module.register_forward_hook(relu_done) for w in self.layers_
+                    if isinstance(w.module, nn.ReLU)]
         try:
             ref = run(set())
         finally:
@@ -441,32 +569,42 @@ class GACTStrategy(PrecisionStrategy):
         probed = [self.layers_[i] for i in order
                   if self.layers_[i].free and self.layers_[i].quantized]
         if not probed:
-            return [], []
+            return est
+        est.layers = probed
         pos = {id(p): j for j, p in enumerate(params)}
 
         def sq(diff: List[Optional[Tensor]], which: Optional[Sequence[nn.Parameter]]) -> Tensor:
             """||g_ref - g||^2 / 2 over ``which`` (all parameters when None)."""
             idx = range(len(params)) if which is None else [pos[id(p)] for p in which
                                                               if id(p) in pos]
-            dev = params[0].device
-            total = torch.zeros((), dtype=torch.float64, device=dev)
-            for j in idx:
-                a, b = ref[j], diff[j]
-                if a is None or b is None:
-                    continue
-                total = total + torch.linalg.vector_norm(
-                    (a - b).to(torch.float64)).square().to(dev)
-            return total / 2.0
+            return _half_sq(ref, diff, idx, params[0].device)
 
         levels = {w.index: float((1 << w.width) - 1) ** 2 for w in probed}
-        out: List[Tensor] = []
+        out = est.sensitivity
         if self.estimator == "per_tensor":
             for w in probed:
                 out.append(sq(run({w.index}), None) * levels[w.index])
-            return probed, out
+            return est
         own = [w for w in probed if w.kind is not None and w.kind.modelled]
         other = [w for w in probed if not (w.kind is not None and w.kind.modelled)]
         res_a = run({w.index for w in own}) if own else None
+        if self.estimator == "hybrid":
+            for w in probed:
+                if w in own:
+                    assert res_a is not None
+                    out.append(sq(res_a, w.params()) * levels[w.index])
+                    continue
+                out.append(sq(run({w.index}), None) * levels[w.index])
+                if w.width > 1:  # the 1-bit variance, measured: two passes at 1 bit
+                    old = w.width
+                    w.set_width(1)
+                    try:
+                        lo0, lo1 = run(set()), run({w.index})
+                    finally:
+                        w.set_width(old)
+                    est.measured_1bit.append(w)
+                    est.one_bit.append(_half_sq(lo0, lo1, range(len(params)), params[0].device))
+            return est
         res_b = run({w.index for w in other}) if other else None
         # the nearest conv / linear executed before each tensor: its backward consumer
         producer: Dict[int, Optional[_Layer]] = {}
@@ -485,42 +623,84 @@ class GACTStrategy(PrecisionStrategy):
                 p = producer.get(w.index)
                 which = w.params() + (p.params() if p is not None else [])
                 out.append(sq(res_b, which if which else None) * levels[w.index])
-        return probed, out
+        return est
 
     # -- allocation -----------------------------------------------------------------------
-    def _apply(self, layers: List[_Layer], read: DeferredRead) -> None:
+    def _apply(self, est: "_Estimate", read: DeferredRead) -> None:
         """Read the probed sensitivities (copied to the host a step ago), solve, set widths."""
         values = read.read()
-        for w, c in zip(layers, values):
+        m = len(est.layers)
+        for w, c in zip(est.layers, values[:m]):
             w.sensitivity = max(c, 0.0)
+        k = m + len(est.sparse)
+        sparse = {w.index: d for w, d in zip(est.sparse, values[m:k])}
+        one_bit = {w.index: max(v, 0.0) for w, v in zip(est.measured_1bit, values[k:])}
+        for w in self.layers_:
+            w.density = min(max(sparse.get(w.index, 1.0), 0.0), 1.0)
+            w.leader = est.leaders.get(w.index)
+            w.one_bit = one_bit.get(w.index)
         self.allocate()
         self.updates += 1
 
     def allocate(self) -> Dict[str, int]:
         """Widths for the free layers from their last sensitivities under the budget (pinned
-        layers' bits are taken off it first); returns name -> width."""
+        layers' bits are taken off it first); returns name -> width.
+
+        The budget is in bytes: what every compressed tensor would cost at ``budget`` bits,
+        ``budget * sum_t v_t`` with ``v_t`` the values tensor ``t``'s codes hold (its nonzeros
+        for sparse codes; once for a tensor several layers share). The layers sharing a tensor
+        are one item of the solve (C summed, one width), so that they keep sharing its payload.
+        Per-group metadata does not depend on the width, so it is the same under every
+        allocation."""
         seen = [w for w in self.layers_ if w.kind is not None and w.stats.numel > 0]
-        free = [w for w in seen if w.pinned_bits is None and w.sensitivity is not None]
+        items: Dict[int, List[_Layer]] = {}  # item (its first layer) -> layers
+        for w in seen:
+            lead = w.leader
+            if (w.pinned_bits is None and w.sensitivity is not None and lead is not None
+                    and self.layers_[lead] in seen and self.layers_[lead].free
+                    and self.layers_[lead].sensitivity is not None):
+                items.setdefault(lead, []).append(w)
+            else:
+                items.setdefault(w.index, []).insert(0, w)
+        total = pinned = fixed = 0.0
+        free: List[List[_Layer]] = []
+        for group in items.values():
+            head = group[0]
+            cost = head.values() * head.density
+            total += cost
+            if head.pinned_bits is not None:
+                pinned += head.pinned_bits * cost
+            elif head.sensitivity is None:  # no sensitivity yet: keeps its width, pays for it
+                fixed += head.width * cost
+            else:
+                free.append(group)
         if not free:
             return {}
-        total = sum(w.stats.numel * w.stats.samples for w in seen)
-        pinned = sum(w.pinned_bits * w.stats.numel * w.stats.samples
-                     for w in seen if w.pinned_bits is not None)
-        # layers without a sensitivity yet keep their width and pay for it too
-        fixed = sum(w.width * w.stats.numel * w.stats.samples
-                    for w in seen if w.pinned_bits is None and w.sensitivity is None)
-        free_values = sum(w.stats.numel * w.stats.samples for w in free)
-        b_free = (self.budget * total - pinned - fixed) / free_values
+        free_values = sum(g[0].values() * g[0].density for g in free)
+        b_free = (self.budget * total - pinned - fixed) / max(free_values, 1e-30)
         if b_free < 1.0 and not self._warned:
             self._warned = True
             warnings.warn(f"actnn_zoo: layers pinned by rules use more than the {self.budget}-bit "
                           f"budget allows; the other layers get 1 bit, and the average exceeds "
                           f"the budget", UserWarning, stacklevel=2)
-        widths = greedy_widths([w.sensitivity or 0.0 for w in free],
-                               [float(w.stats.numel * w.stats.samples) for w in free], b_free)
-        for w, b in zip(free, widths):
-            w.width = b
-        return {w.name: w.width for w in free}
+        score = [sum(w.sensitivity or 0.0 for w in g) for g in free]
+        ones = [convex_one_bit(c, g[0].one_bit if len(g) == 1 else None)
+                for c, g in zip(score, free)]
+        sizes = [max(g[0].values() * g[0].density, 1e-30) for g in free]
+        widths = greedy_widths(score, sizes, b_free, one_bit=ones)
+        self.predicted_ratio = None
+        flat = int(self.budget)
+        if flat == self.budget and flat in WIDTHS and b_free >= flat * (1 - 1e-12):
+            # uniform widths fit too: keep them unless the model predicts a clear gain
+            uniform = variance_cost(score, [flat] * len(free), ones)
+            if uniform > 0:
+                self.predicted_ratio = variance_cost(score, widths, ones) / uniform
+                if self.predicted_ratio > 1.0 - self.min_gain:
+                    widths = [flat] * len(free)
+        for g, b in zip(free, widths):
+            for w in g:
+                w.set_width(b)
+        return {w.name: w.width for g in free for w in g}
 
     # -- reporting ------------------------------------------------------------------------
     def layer_budgets(self) -> Dict[str, float]:
@@ -534,15 +714,22 @@ class GACTStrategy(PrecisionStrategy):
 
     def report(self) -> Dict[str, Any]:
         """Widths, sensitivities, the average width of the last forward's compressed values
-        and what the probes cost (passes of ``probe_samples`` samples)."""
+        (over the values their codes hold: nonzeros of sparse codes, a shared tensor once, as
+        the budget counts them) and what the probes cost (passes of ``probe_samples``
+        samples)."""
         bits = values = 0.0
         for w in self.layers_:
             if w.kind is None or not w.stats.numel or not w.quantized:
                 continue
-            n = w.stats.numel * w.stats.samples
+            lead = self.layers_[w.leader] if w.leader is not None else None
+            if lead is not None and lead.quantized and lead.width == w.width \
+                    and w.pinned_bits is None and lead.pinned_bits is None:
+                continue  # the payload its leader saved: counted there
+            n = w.values() * w.density
             bits += (w.pinned_bits or w.width) * n
             values += n
         return {"widths": self.layer_budgets(), "sensitivities": self.sensitivities(),
+                "predicted_ratio": self.predicted_ratio,
                 "average_bits": bits / values if values else float("nan"),
                 "probes": self.probes, "probe_passes": self.probe_passes,
                 "passes_per_probe": self.probe_passes / self.probes if self.probes else 0.0}
