@@ -210,8 +210,10 @@ def test_whole_model_inside_a_checkpoint_still_trains():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_save_on_cpu_offloads_compressed_activations_on_cuda():
     """On CUDA: with ``save_on_cpu(pin_memory=True)`` the device memory held after the forward
-    is about what it holds with no saved activations at all (the payload-free level): the
-    parameters, the output; the compressed payloads went to the host."""
+    is about what it holds with no saved activations at all (the payload-free level: the
+    output); the compressed payloads went to the host. One payload may stay on the device: the
+    store's cache keeps a payload while the tensor it was made from lives (here the input
+    ``x``, 2 bits of 4096 x 1024 plus ranges: ~1.1 MiB)."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU())
@@ -232,4 +234,4 @@ def test_save_on_cpu_offloads_compressed_activations_on_cuda():
     offloaded = torch.cuda.memory_allocated() - base
     out.sum().backward()
     assert on_device > free_level + 8 * (4096 * 1024 // 4)  # 2-bit payloads of 16 maps
-    assert offloaded <= free_level + (1 << 20), (free_level, on_device, offloaded)
+    assert offloaded <= free_level + (2 << 20), (free_level, on_device, offloaded)
