@@ -48,6 +48,8 @@ class EagerHook:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
+            if args and inline_compiling(args[0]):
+                return None  # actnn_zoo.compile: no per-layer bookkeeping in its graph
             return self._disabled(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
@@ -59,3 +61,33 @@ class EagerHook:
 
     def __repr__(self) -> str:
         return f"EagerHook({self.fn!r})"
+
+
+# The attribute actnn_zoo.compile sets on every module of a model it compiles (an InlineSwitch).
+INLINE_ATTR = "_az_inline_saves"
+
+
+class InlineSwitch:
+    """On while :func:`actnn_zoo.compile`'s compiled call runs, off otherwise.
+
+    One object shared by the modules of one compiled model: while it is on, torch.compile
+    traces their plain torch forwards and the compression happens in the graph
+    (:mod:`actnn_zoo.compiled`). Off, a plain ``torch.compile`` of the same model (or an eager
+    call) runs the Q-layers' own Functions as before. ``torch.compile`` guards on the value, so
+    each setting has its own graph."""
+
+    __slots__ = ("on", "bits", "group_size")
+
+    def __init__(self, bits: int = 2, group_size: int = 256) -> None:
+        self.on = False
+        self.bits, self.group_size = bits, group_size  # for layers that quantize themselves
+
+
+def inline_compiling(module: Any) -> bool:
+    """True while ``torch.compile`` traces ``module`` for :func:`actnn_zoo.compile` (its
+    saves are compressed by the graph, so the module runs its plain torch forward and every
+    host-side hook of the library steps aside)."""
+    if not torch.compiler.is_compiling():
+        return False
+    switch = getattr(module, INLINE_ATTR, None)
+    return switch is not None and switch.on

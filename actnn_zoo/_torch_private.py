@@ -107,25 +107,56 @@ def inside_checkpoint() -> bool:
     return _checkpoint_frame_within(sys._getframe(1), None)
 
 
-def compiled_saved_output_index() -> Optional[int]:
-    """While AOTAutograd applies :func:`actnn_zoo.compile`'s pack hook to a saved value of a
-    graph: which output of its producing op that value is (0 for a single-output op, ``k`` for
-    ``getitem(op, k)``); None outside such a hook or where torch does not say. torch exposes
-    the saved graph node only through ``_get_saved_tensor_hook_context`` ("may change without
-    backward compatibility"). Why it matters: the secondary outputs of multi-output ops are
-    statistics (a norm's mean and inverse deviation, attention's log-sum-exp) that a backward
-    reads exactly; only the primary output is an activation to compress."""
+def _compiled_saved_node():
+    """The forward-graph node whose value :func:`actnn_zoo.compile`'s pack hook is packing,
+    None outside such a hook. torch exposes it only through ``_get_saved_tensor_hook_context``
+    ("may change without backward compatibility"); where that is missing, None."""
     try:
         from torch._functorch._aot_autograd.graph_compile import (
             _get_saved_tensor_hook_context)
     except ImportError:
         return None
     state = _get_saved_tensor_hook_context()
-    node = (state.get("_node", state.get("node"))) if isinstance(state, dict) else None
-    if node is None or getattr(node, "op", None) != "call_function":
+    node = state.get("_node", state.get("node")) if isinstance(state, dict) else None
+    return node if getattr(node, "op", None) == "call_function" else None
+
+
+def compiled_saved_output_index() -> Optional[int]:
+    """Which output of its producing op the value being packed is (0 for a single-output op,
+    ``k`` for ``getitem(op, k)``); None outside the hook or where torch does not say. Why it
+    matters: the secondary outputs of multi-output ops are statistics (a norm's mean and
+    inverse deviation, attention's log-sum-exp) that a backward reads exactly; only the
+    primary output is an activation to compress."""
+    node = _compiled_saved_node()
+    if node is None:
         return None
     import operator
 
     if node.target is operator.getitem and isinstance(node.args[1], int):
         return node.args[1]
     return 0
+
+
+def compiled_saved_from_float_input() -> Optional[bool]:
+    """Whether the value being packed is computed from some floating-point graph input (a
+    parameter, a float input); None outside the hook. False means it is made of indices and
+    constants only -- an additive attention mask of zeros and ``finfo.min`` -- whose values a
+    quantizer cannot keep (0 must stay exactly 0) and which costs what the model's own mask
+    costs anyway."""
+    node = _compiled_saved_node()
+    if node is None:
+        return None
+    seen = {node}
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+                return True
+            continue
+        for m in n.all_input_nodes:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return False

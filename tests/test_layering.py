@@ -64,7 +64,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("capture",),
     ("nn",),
     ("precision",),
-    ("convert",),
+    ("convert", "compiled"),
     ("__init__",),
     ("memory",),
     ("models", "data"),

@@ -11,12 +11,12 @@ saved activations is :mod:`actnn_zoo.memory`.
 * :mod:`.max_batch`: :func:`find_max_batch` under a memory cap.
 """
 from .max_batch import MaxBatchResult, find_max_batch
-from .peak import (PeakReport, current_rss, measure_step_memory, peak_memory, peak_rss,
-                   reset_peak_rss, run_steps)
+from .peak import (PeakReport, current_rss, malloc_live_bytes, measure_step_memory,
+                   peak_memory, peak_rss, reset_peak_rss, run_steps)
 from .steps import (MODES, PHASES, StepSpec, apply_mode, build_step, clone_for_mode,
                     interleaved_step_times, spec_peak_memory)
 
 __all__ = ["PeakReport", "peak_memory", "measure_step_memory", "current_rss", "peak_rss",
-           "reset_peak_rss", "run_steps", "MODES", "PHASES", "StepSpec", "apply_mode",
+           "reset_peak_rss", "run_steps", "malloc_live_bytes", "MODES", "PHASES", "StepSpec", "apply_mode",
            "build_step", "clone_for_mode", "spec_peak_memory", "interleaved_step_times",
            "MaxBatchResult", "find_max_batch"]

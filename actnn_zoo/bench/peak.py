@@ -16,6 +16,8 @@ is only the fallback where ``/proc`` is missing.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import os
 import pickle
@@ -33,7 +35,7 @@ import torch
 from ..memory import MiB
 
 __all__ = ["PeakReport", "peak_memory", "measure_step_memory", "current_rss", "peak_rss",
-           "reset_peak_rss", "run_steps"]
+           "reset_peak_rss", "run_steps", "malloc_live_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -45,6 +47,39 @@ def current_rss() -> Optional[int]:
             return int(f.read().split()[1]) * _PAGE
     except OSError:
         return None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@functools.lru_cache(maxsize=None)
+def _mallinfo2() -> Optional[Callable[[], _MallInfo2]]:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def malloc_live_bytes() -> Optional[int]:
+    """Bytes the C allocator holds for the program now (glibc ``mallinfo2``: in-use heap
+    blocks plus mmapped ones), after a garbage collection; None without glibc >= 2.33.
+
+    Why: on the CPU, torch's tensors are malloc'd and freed at once, so the difference of
+    this count around a forward is what the forward left alive -- the saved tensors, as the
+    allocator sees them, whoever holds them (autograd nodes, a compiled graph's saved values,
+    a library's store). RSS moves in pages and keeps freed memory."""
+    fn = _mallinfo2()
+    if fn is None:
+        return None
+    gc.collect()
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
 
 
 def _proc_status_kib(key: str) -> Optional[int]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import _session as S
+from .._compile import inline_compiling
 from .._session import ZeroCodeSlot
 from ..config import LayerQConfig, QuantConfig
 from ..quant.seeds import seed_stream
@@ -151,6 +152,8 @@ class Capture:
         return None if plain is args else plain
 
     def _open(self, module: nn.Module) -> None:
+        if inline_compiling(module):
+            return  # actnn_zoo.compile: the graph compresses its own saves
         if not (module.training and torch.is_grad_enabled()) or S.active_session() is not None:
             self._stack().append(None)  # nothing to open: eval, no_grad, or an outer session
             return
@@ -159,6 +162,8 @@ class Capture:
         self._stack().append(session)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if inline_compiling(module):
+            return
         stack = self._stack()
         if not stack:
             return  # the pre-hook did not run (a hook of another library raised before it)

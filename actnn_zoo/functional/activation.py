@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .._session import ZeroCodeClaim, ZeroCodeSlot, active_session, save_probe
 from ..config import LayerQConfig
-from ..quant import Bits, pack_compare, unpack_mask
+from ..quant import Bits, ops, pack_compare, unpack_mask
 from ..quant.api import masked_grad
 from ..quant.tensor import CompressedPayload
 from ._saving import (compress, compress_produced, dequantize_rows, load, restore,
@@ -34,7 +34,7 @@ __all__ = ["relu", "leaky_relu", "hardtanh", "relu6", "gelu", "silu", "sigmoid",
            "softplus", "hardswish", "hardsigmoid", "mish", "MaskActivationFunction",
            "DerivativeActivationFunction",
            "activation_derivative", "memory_perm", "to_memory_order", "from_memory_order",
-           "load_mask"]
+           "load_mask", "BoolMaskReLU"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,3 +427,30 @@ def mish(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = Non
          bits: OptBits = None) -> Tensor:
     """Mish saving compressed Mish'(x) (computed before an in-place update)."""
     return _deriv_apply("mish", x, (), qconfig, bits, inplace)
+
+
+class BoolMaskReLU(torch.autograd.Function):
+    """ReLU saving ``~(x <= 0)`` packed to 1 bit per value by the ``actnn_zoo::pack_mask``
+    operator: the form :func:`actnn_zoo.compile` traces.
+
+    torch's own ReLU saves its output, which the compiled graph would round (moving small
+    values to zero: a biased mask); and a bool mask made of plain ops can be recomputed by the
+    graph's partitioner from a tensor that is itself rounded. A custom operator's output is
+    saved as it is. The output, and with it the gradient, equals torch's (NaN passes the
+    gradient, as ``threshold_backward`` lets it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, inplace: bool) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(ops.pack_mask(~(x <= 0)))
+        ctx.shape = list(x.shape)
+        if inplace:
+            x.relu_()
+            ctx.mark_dirty(x)
+            return x
+        return torch.relu(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tuple[Optional[Tensor], None]:  # type: ignore[override]
+        (packed,) = ctx.saved_tensors
+        keep = ops.unpack_mask(packed, ctx.shape)
+        return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None

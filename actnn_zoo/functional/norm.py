@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor
+from ..quant import Bits, QuantizedTensor, ops
 from ..quant.norm_backward import (batch_norm_backward_codes, group_norm_backward_codes,
                                    layer_norm_backward_codes, reads_codes)
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
@@ -485,3 +485,57 @@ class GroupNormFunction(torch.autograd.Function):
         return (cast(gi, x_dtype) if need_x else None, None,
                 cast(gw, w_dtype) if need_w else None, cast(gb, b_dtype) if need_b else None,
                 None, None, None)
+
+
+class NormalizedBatchNorm(torch.autograd.Function):
+    """Training batch norm that saves the normalized input ``x_hat`` as ``bits``-wide codes
+    (the ``actnn_zoo::quantize_uniform`` operator, in memory order) and the exact per-channel
+    ``invstd``, in traceable ops: the form :func:`actnn_zoo.compile` traces.
+
+    Why not torch's op there: ``native_batch_norm`` saves the raw input, and a group of values
+    spanning channels of very different scales loses the small channels to rounding, which the
+    division by their deviation then magnifies (measured at 8 bits on ResNet-50's last stage
+    at batch 2: weight-gradient cosine -0.77). Codes made by an operator are saved as they are
+    (a float ``x_hat`` could be swapped by the graph's partitioner for the raw input it is
+    recomputed from). The backward is linear in ``x_hat`` but for ``x_hat * mean(g * x_hat)``
+    (as in the eager Function). Returns ``(y, mean, var)``, the statistics (biased variance)
+    for the running averages; only ``y`` has a gradient. ``y`` and the statistics come from
+    torch's own kernel (``aten::native_batch_norm``), so the forward is torch's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],  # type: ignore[override]
+                eps: float, bits: int, group_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+        # torch's own kernel for the output and the statistics: the forward is torch's, bit
+        # for bit (running averages are updated by the caller)
+        y, mean, invstd = torch.ops.aten.native_batch_norm(x, weight, bias, None, None, True,
+                                                           0.0, eps)
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+        mean, invstd = mean.float().view(shape), invstd.float().view(shape)
+        x_hat = (x.float() - mean) * invstd
+        var = (invstd.reciprocal() ** 2 - eps).clamp_min(0)
+        seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64)
+        data, lo, step = ops.quantize_uniform(x_hat.contiguous(), seed, bits, group_size, True)
+        ctx.save_for_backward(data, lo, step, invstd, weight)
+        ctx.layout = (list(x.shape), bits, group_size, bias is not None, x.dtype)
+        mean, var = mean.reshape(-1), var.reshape(-1)
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _mean: Optional[Tensor],  # type: ignore[override]
+                 _var: Optional[Tensor]):
+        data, lo, step, invstd, weight = ctx.saved_tensors
+        shape_x, bits, group_size, has_bias, in_dtype = ctx.layout
+        x_hat = ops.dequantize_uniform(data, lo, step, shape_x, bits, group_size, torch.float32)
+        dims = [0] + list(range(2, x_hat.dim()))
+        shape = [1, x_hat.shape[1]] + [1] * (x_hat.dim() - 2)
+        g = grad.float()
+        m = g.numel() // x_hat.shape[1]
+        grad_b = g.sum(dims)
+        grad_w = (g * x_hat).sum(dims)
+        scale = invstd if weight is None else invstd * weight.float().view(shape)
+        grad_x = scale * (g - (grad_b.view(shape) + x_hat * grad_w.view(shape)) / m)
+        gw = grad_w.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        gb = grad_b.to(weight.dtype if weight is not None else grad.dtype) \
+            if has_bias and ctx.needs_input_grad[2] else None
+        return grad_x.to(in_dtype), gw, gb, None, None, None

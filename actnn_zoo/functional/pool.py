@@ -30,7 +30,7 @@ from .activation import _autocast_state, from_memory_order, memory_perm, to_memo
 __all__ = ["MaxPoolFunction", "ShapeOnlyFunction", "max_pool1d", "max_pool2d", "max_pool3d",
            "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d",
            "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-           "adaptive_avg_pool3d", "code_bits", "pack_codes", "unpack_codes"]
+           "adaptive_avg_pool3d", "code_bits", "pack_codes", "unpack_codes", "WindowCodeMaxPool2d"]
 
 IntOrTuple = Union[int, Sequence[int]]
 
@@ -503,3 +503,66 @@ def adaptive_avg_pool2d(x: Tensor, output_size) -> Tensor:
 
 def adaptive_avg_pool3d(x: Tensor, output_size) -> Tensor:
     return ShapeOnlyFunction.apply(x, partial(F.adaptive_avg_pool3d, output_size=output_size))
+
+
+def _pack_bytes(code: Tensor, width: int) -> Tensor:
+    """Small non-negative integers (< 2**width, width 1, 2, 4 or 8) packed ``8 // width`` per
+    byte, in plain torch ops (flattened, zero-padded to whole bytes)."""
+    per = 8 // width
+    flat = code.reshape(-1).to(torch.uint8)
+    flat = F.pad(flat, (0, (-flat.numel()) % per)).view(-1, per)
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=code.device)
+    return (flat << shifts).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bytes(packed: Tensor, width: int, shape: List[int]) -> Tensor:
+    """Inverse of :func:`_pack_bytes`: int64 codes of ``shape``."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
+    codes = (packed.view(-1, 1) >> shifts) & ((1 << width) - 1)
+    n = 1
+    for s in shape:
+        n *= s
+    return codes.reshape(-1)[:n].view(shape).long()
+
+
+class WindowCodeMaxPool2d(torch.autograd.Function):
+    """2-d max pooling that saves each maximum's position inside its window (1, 2, 4 or 8 bits:
+    2 for 2x2 windows, 4 for 3x3), in traceable ops: the form :func:`actnn_zoo.compile` traces (torch's op saves its input and
+    int64 indices, 8 bytes per output value, which a compiled graph cannot compress).
+
+    The forward is torch's (``F.max_pool2d`` with indices); backward rebuilds torch's flat
+    indices from (window start + position) and calls torch's public backward op, so the
+    gradient is torch's. Windows of at most 256 positions."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: Tuple[int, int], stride: Tuple[int, int],  # type: ignore[override]
+                padding: Tuple[int, int], dilation: Tuple[int, int], ceil_mode: bool) -> Tensor:
+        out, idx = F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode,
+                                return_indices=True)
+        w_in = x.shape[-1]
+        oh = torch.arange(out.shape[-2], device=x.device).view(-1, 1)
+        ow = torch.arange(out.shape[-1], device=x.device).view(1, -1)
+        row = idx // w_in - (oh * stride[0] - padding[0])
+        col = idx % w_in - (ow * stride[1] - padding[1])
+        code = (row // dilation[0]) * kernel[1] + col // dilation[1]
+        width = next(b for b in (1, 2, 4, 8) if kernel[0] * kernel[1] <= 1 << b)
+        ctx.save_for_backward(_pack_bytes(code, width))
+        ctx.meta = (list(x.shape), list(out.shape), width, x.dtype, kernel, stride, padding,
+                    dilation, ceil_mode)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (packed,) = ctx.saved_tensors
+        shape, out_shape, width, dtype, kernel, stride, padding, dilation, ceil_mode = ctx.meta
+        c = _unpack_bytes(packed, width, out_shape)
+        oh = torch.arange(grad.shape[-2], device=grad.device).view(-1, 1)
+        ow = torch.arange(grad.shape[-1], device=grad.device).view(1, -1)
+        row = oh * stride[0] - padding[0] + (c // kernel[1]) * dilation[0]
+        col = ow * stride[1] - padding[1] + (c % kernel[1]) * dilation[1]
+        idx = row * shape[-1] + col
+        like = torch.zeros((), dtype=dtype, device=grad.device).expand(shape)
+        grad_x = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, like, list(kernel), list(stride), list(padding), list(dilation), ceil_mode,
+            idx)
+        return grad_x, None, None, None, None, None

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Mapping, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor, nn
 
+from .._compile import inline_compiling
 from .._session import active_session
 from .._torch_private import clone_module_state
 from ..capture.mode import call_unrouted
@@ -72,14 +73,17 @@ class QModule:
         # Under a capture session, a layer that saves through its own Function runs with the
         # capture mode off the stack: nothing it does needs routing, and the mode would cost a
         # Python call per torch call and attribute read (capture/mode.py, call_unrouted).
-        if active_session() is not None and self.quantizing() \
-                and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and active_session() is not None \
+                and self.quantizing():
             return call_unrouted(_module_call, self, *args, **kwargs)
         return nn.Module.__call__(self, *args, **kwargs)
 
     def quantizing(self) -> bool:
-        """True when the next forward should save compressed tensors (training with grad)."""
-        return self.training and self.qconfig.enabled and torch.is_grad_enabled()
+        """True when the next forward should save compressed tensors (training with grad)
+        through the layer's own Function: not while :func:`actnn_zoo.compile` traces it (the
+        compiled graph compresses what the plain forward saves)."""
+        return (self.training and self.qconfig.enabled and torch.is_grad_enabled()
+                and not inline_compiling(self))
 
     def bits_for(self, x: Tensor) -> Bits:
         """The width(s) for input ``x``: per-sample widths when they fit its batch, else bits."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 
+from .._compile import inline_compiling
 from .._session import ZeroCodeSlot
 from ..config import LayerQConfig
 from ..functional import activation as A
@@ -39,6 +41,9 @@ class QReLU(_QAct, nn.ReLU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        if inline_compiling(self) and self.training and input.requires_grad \
+                and torch.is_grad_enabled():
+            return A.BoolMaskReLU.apply(input, self.inplace)  # actnn_zoo.compile's graph
         if self._active(input):
             slot = None
             if self.qconfig.relu_codes and input.device.type == "cpu":  # sparse kernels

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
+from .._compile import INLINE_ATTR, inline_compiling
 from ..functional.norm import (BatchNormFunction, GroupNormFunction, LayerNormFunction,
-                               SyncBatchNormFunction)
+                               NormalizedBatchNorm, SyncBatchNormFunction)
 from ._base import QModule
 from .linear import use_function
 
@@ -65,7 +66,29 @@ class _QBatchNorm(QModule):
             return self.running_mean, self.running_var
         return None, None
 
+    def _compiled_forward(self, input: Tensor) -> Tensor:
+        """Training forward while :func:`actnn_zoo.compile` traces: saves the normalized
+        input (:class:`~actnn_zoo.functional.norm.NormalizedBatchNorm`) for the graph to
+        compress, and updates the running statistics as torch does."""
+        _check_input_rank(self, input)
+        factor = self._momentum_factor()
+        _verify_batch_size(input.size())
+        switch = getattr(self, INLINE_ATTR)
+        out, mean, var = NormalizedBatchNorm.apply(input, self.weight, self.bias, self.eps,
+                                                   switch.bits, switch.group_size)
+        if self.track_running_stats and self.running_mean is not None:
+            m = input.numel() // input.shape[1]
+            with torch.no_grad():
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype),
+                                                        alpha=factor)
+                self.running_var.mul_(1 - factor).add_(
+                    (var * (m / max(m - 1, 1))).to(self.running_var.dtype), alpha=factor)
+        return out
+
     def forward(self, input: Tensor) -> Tensor:
+        if inline_compiling(self) and self.training and torch.is_grad_enabled() \
+                and not isinstance(self, nn.SyncBatchNorm):
+            return self._compiled_forward(input)
         if not use_function(self, input, self.weight, self.bias):
             return super().forward(input)
         _check_input_rank(self, input)

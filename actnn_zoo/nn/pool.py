@@ -3,10 +3,12 @@ bits per output value, instead of torch's input copy plus int64 indices); averag
 nothing but shapes (torch's keep the whole input to read its shape)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
+from .._compile import inline_compiling
 from ..config import LayerQConfig
 from ..functional import pool as P
 from ._base import QModule
@@ -14,6 +16,10 @@ from ._base import QModule
 __all__ = ["QMaxPool1d", "QMaxPool2d", "QMaxPool3d", "QAvgPool1d", "QAvgPool2d", "QAvgPool3d",
            "QAdaptiveAvgPool1d", "QAdaptiveAvgPool2d", "QAdaptiveAvgPool3d",
            "QAdaptiveMaxPool1d", "QAdaptiveMaxPool2d", "QAdaptiveMaxPool3d"]
+
+
+def _pair(v) -> Tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 class _QPool(QModule):
@@ -32,6 +38,13 @@ class _QMaxPoolNd(_QPool):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor):
+        if self._ND == 2 and not self.return_indices and inline_compiling(self) \
+                and self.training and input.requires_grad and torch.is_grad_enabled():
+            kernel, stride, padding, dilation = (_pair(v) for v in (
+                self.kernel_size, self.stride or self.kernel_size, self.padding, self.dilation))
+            if kernel[0] * kernel[1] <= 256:  # a position fits a byte
+                return P.WindowCodeMaxPool2d.apply(input, kernel, stride, padding, dilation,
+                                                   self.ceil_mode)
         if self._active(input):
             return P._max_pool(self._ND, input, self.kernel_size, self.stride, self.padding,
                                self.dilation, self.ceil_mode, self.return_indices)

@@ -1,0 +1,190 @@
+"""``actnn_zoo.compile``: one ``torch.compile`` graph that saves its activations compressed.
+
+A plain ``torch.compile`` of a converted model works, but every Q-layer is an opaque Function
+with host bookkeeping, so the graph breaks at each one. This path traces the model's plain
+torch forward instead (Q-layers step aside while it traces, :func:`_compile.inline_compiling`)
+and puts the compression into the graph itself: AOTAutograd inlines saved-tensor hooks given
+as ``torch.fx.GraphModule`` s into the forward graph's end (pack) and the backward graph's start
+(unpack). It applies them to the tensors the graph saves that it also frees -- intermediates,
+never the model's inputs, parameters or buffers. What each saved tensor becomes:
+
+* floating point with at least ``min_numel`` values (default 1024), and not a
+  statistic (a secondary output of a multi-output op: a norm's mean and inverse deviation,
+  attention's log-sum-exp, which the backward reads exactly): ``actnn_zoo::quantize_uniform``
+  codes at ``bits`` per value, stochastic rounding seeded by a ``torch.randint`` drawn in the
+  graph (new every step), in the tensor's memory order, so the backward gets back its strides
+  (a view with gaps, such as q, k or v sliced from one projection, is copied first and comes
+  back as a copy with the same strides);
+* bool with at least ``min_numel`` values (ReLU's mask, dropout's): 1 bit per value;
+* anything else (indices, statistics, small or sparse tensors, and tensors made from no
+  floating input, such as an additive attention mask of zeros and ``finfo.min``, whose zeros
+  rounding would move): kept as it is.
+
+ReLU saves its bool mask (:class:`~actnn_zoo.functional.activation.BoolMaskReLU`) instead of
+its output, whose rounding would move values across zero. What this path does not do: the
+precision strategies' per-layer and per-sample widths (every tensor gets ``bits``; their
+hooks step aside while it traces), tier 2's routing (attention and the loss are whatever the
+traced ops save), and the autocast weight copies, which the graph saves as intermediates, are
+compressed like activations (docs/design.md, "torch.compile").
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ._compile import INLINE_ATTR, InlineSwitch
+from ._session import dense_order
+from ._torch_private import compiled_saved_from_float_input, compiled_saved_output_index
+from .nn._base import QModule
+from .quant import check_bits, check_group_size
+from .quant import ops
+
+__all__ = ["compile", "CompressedCompile"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_RAW, _MASK, _CODES = 0, 1, 2
+
+
+def _inverse(p: Sequence[int]) -> Tuple[int, ...]:
+    inv = [0] * len(p)
+    for i, d in enumerate(p):
+        inv[d] = i
+    return tuple(inv)
+
+
+def _statistic(x: Tensor) -> bool:
+    """Whether a saved float ``x`` is a statistic a backward reads exactly rather than an
+    activation: a secondary output of a multi-output op (a norm's mean and inverse deviation,
+    attention's log-sum-exp), as the graph tells, or shaped like one (1-d, or a trailing
+    size-1 dim: per-channel and per-row statistics)."""
+    index = compiled_saved_output_index()
+    return (index is not None and index != 0) or x.dim() < 2 or x.shape[-1] == 1
+
+
+def pack(x: Tensor, bits: int, group_size: int, min_numel: int) -> tuple:
+    """What the forward graph keeps of a saved tensor ``x`` (see the module docstring)."""
+    if x.numel() < min_numel or x.layout != torch.strided \
+            or not (x.dtype == torch.bool or x.dtype in _FLOATS) \
+            or (x.dtype != torch.bool and _statistic(x)) \
+            or compiled_saved_from_float_input() is False:
+        return (_RAW, x)
+    perm = dense_order(x)
+    strides = None
+    if perm is None:  # a view with gaps (a slice of a fused projection): its values, in order
+        strides = ([int(s) for s in x.stride()], int(x.storage_offset()))
+        perm = tuple(range(x.dim()))
+        x = x.contiguous()
+    xp = x.permute(perm)  # contiguous: the memory order
+    shape = [int(s) for s in xp.shape]
+    if x.dtype == torch.bool:
+        return (_MASK, ops.pack_mask(xp), shape, tuple(perm), strides)
+    seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64)
+    data, lo, step = ops.quantize_uniform(xp, seed, bits, group_size, True)
+    return (_CODES, data, lo, step, shape, x.dtype, bits, group_size, tuple(perm), strides)
+
+
+def unpack(packed: tuple) -> Tensor:
+    """The tensor :func:`pack` kept, decoded, with the shape, strides and dtype the graph
+    saved (a view with gaps comes back as a copy laid out with the same strides)."""
+    kind = packed[0]
+    if kind == _RAW:
+        return packed[1]
+    if kind == _MASK:
+        _, data, shape, perm, strides = packed
+        out = ops.unpack_mask(data, shape).permute(_inverse(perm))
+    else:
+        _, data, lo, step, shape, dtype, bits, group_size, perm, strides = packed
+        out = ops.dequantize_uniform(data, lo, step, shape, bits, group_size,
+                                     dtype).permute(_inverse(perm))
+    if strides is not None:  # the same strides and storage offset as the view saved
+        stride, offset = strides
+        extent = 1 + sum((n - 1) * st for n, st in zip(out.shape, stride))
+        buf = torch.empty(offset + extent, dtype=out.dtype, device=out.device)
+        out = buf.as_strided(out.shape, stride, offset).copy_(out)
+    return out
+
+
+def _graph_module(fn: Any, *consts: Any) -> torch.fx.GraphModule:
+    """``x -> fn(x, *consts)`` as a GraphModule (the form AOTAutograd inlines)."""
+    g = torch.fx.Graph()
+    g.output(g.call_function(fn, (g.placeholder("x"),) + consts))
+    return torch.fx.GraphModule(nn.Module(), g)
+
+
+def _settings(model: nn.Module) -> Tuple[int, int]:
+    """(bits, group size) of the model's conversion: the width most of its Q-layers were
+    given (the budget), else its capture width, else the defaults (2, 256)."""
+    widths: Dict[Tuple[int, int], int] = {}
+    for m in model.modules():
+        if isinstance(m, QModule) and isinstance(m.qconfig.bits, int):
+            key = (m.qconfig.bits, m.qconfig.group_size)
+            widths[key] = widths.get(key, 0) + 1
+    if widths:
+        return max(widths, key=widths.__getitem__)
+    capture = getattr(model, "actnn_zoo_capture", None)
+    if capture is not None:
+        return int(capture.qconfig.bits), int(capture.qconfig.group_size)
+    return 2, 256
+
+
+class CompressedCompile(nn.Module):
+    """A model compiled by :func:`compile`: calls the compiled model with the graph's
+    compression switched on. ``module`` is the model itself (its parameters, state_dict keys
+    under ``module.``, train/eval mode)."""
+
+    def __init__(self, module: nn.Module, bits: int, group_size: int, min_numel: int,
+                 compile_kwargs: dict) -> None:
+        super().__init__()
+        self.module = module
+        self.bits, self.group_size, self.min_numel = bits, group_size, min_numel
+        switch = getattr(module, INLINE_ATTR, None)
+        if switch is None:
+            switch = InlineSwitch(bits, group_size)
+            for m in module.modules():
+                object.__setattr__(m, INLINE_ATTR, switch)
+        elif (switch.bits, switch.group_size) != (bits, group_size):
+            raise ValueError(f"this model was compiled by actnn_zoo.compile with bits="
+                             f"{switch.bits}, group_size={switch.group_size}; compiling it "
+                             f"again with other widths is not supported")
+        # kept out of the module tree: one copy of the model in parameters() and state_dict()
+        object.__setattr__(self, "_switch", switch)
+        object.__setattr__(self, "_pack", _graph_module(pack, bits, group_size, min_numel))
+        object.__setattr__(self, "_unpack", _graph_module(unpack))
+        object.__setattr__(self, "_compiled", torch.compile(module, **compile_kwargs))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        switch = self._switch
+        before = switch.on
+        switch.on = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self._compiled(*args, **kwargs)
+        finally:
+            switch.on = before
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, group_size={self.group_size}, min_numel={self.min_numel}"
+
+
+def compile(model: nn.Module, *, bits: Optional[int] = None, group_size: Optional[int] = None,
+            min_numel: int = 1024, **compile_kwargs: Any) -> CompressedCompile:
+    """``torch.compile(model, **compile_kwargs)`` with the saved activations compressed inside
+    the graph, and no graph break of the library's own.
+
+    ``model``: usually a converted model (``bits`` and ``group_size`` then default to its
+    configuration's); a plain model works too (2 bits, groups of 256). Every floating saved
+    intermediate of at least ``min_numel`` values is kept at ``bits`` per value, bool ones at
+    1 bit. Train through the returned module (``compiled(x)``); ``model`` itself still runs
+    eagerly as converted. Widths are uniform here: the precision strategies do not allocate
+    per layer inside a compiled graph.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"actnn_zoo.compile expects an nn.Module, got {type(model).__name__}")
+    default_bits, default_group = _settings(model)
+    bits = check_bits(default_bits if bits is None else bits)
+    group_size = check_group_size(default_group if group_size is None else group_size)
+    if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
+        raise ValueError(f"min_numel must be a positive int, got {min_numel!r}")
+    return CompressedCompile(model, bits, group_size, min_numel, dict(compile_kwargs))
