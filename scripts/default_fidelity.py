@@ -173,7 +173,7 @@ def plot(directory: Path, out: Path) -> str:
     fp300 = recs["text_fp32_300st_s0"]["val_loss"]
     new = [(r["storage_bits"], 100 * (r["val_loss"] / fp300 - 1), r["candidate"])
            for n, r in recs.items() if r["steps"] == 300 and r["seed"] == 0
-           and (r["candidate"] in ("t2.75", "t3.25_attnlin4", "t3.75", "t4.5"))]
+           and (r["candidate"] in ("t2.75", "default", "t3.75", "t4.5"))]
     long = []
     for cand, label in (("t3.25_attnlin4", "new default"),
                         ("t3.25", "new default without attention linears")):
