@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -203,6 +203,43 @@ def plot(directory: Path, out: Path) -> str:
     return "\n".join(rows)
 
 
+def compression(warmups: Sequence[int] = (1, 2)) -> str:
+    """Saved-activation compression at convert_model's default of scripts/bench_capture.py's
+    project and Hugging Face models, counted after ``w`` discarded training forwards for each
+    ``w`` in ``warmups``: after 1 (bench_capture's count) the free layers still use the budget
+    itself, as ``actnn`` re-allocates at the second forward and applies it at the third;
+    after 2 the budget is compensated for the pinned layers and the tiers (steady state)."""
+    import copy
+    import warnings
+
+    import torch
+
+    import actnn_zoo as az
+    from actnn_zoo.config import default_config
+    from actnn_zoo.memory import saved_activation_bytes
+    from bench_capture import hf_cases, project_cases
+
+    torch.set_num_threads(1)
+    lines = []
+    cases = {**project_cases(), **hf_cases()}
+    for name, (build, x, loss, _label) in cases.items():
+        torch.manual_seed(0)
+        model = build().train()
+        fp32 = saved_activation_bytes(model, x, loss_fn=loss).total_bytes
+        ratios = []
+        for w in warmups:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                q = az.convert_model(copy.deepcopy(model))
+            ratios.append(fp32 / max(saved_activation_bytes(q, x, loss_fn=loss,
+                                                            warmup=w).total_bytes, 1))
+        cfg = default_config(model)
+        lines.append(f"{name:22s} default bits {cfg.bits:g}: " + ", ".join(
+            f"{r:5.1f}x after {w} forward(s)" for w, r in zip(warmups, ratios)))
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=str(ROOT / "results" / "default_fidelity"))
@@ -210,9 +247,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--compression", action="store_true",
+                    help="compression at the default of bench_capture's project / HF models")
     ap.add_argument("--plot", action="store_true",
                     help="results/default_fidelity.png: the old default's curve and the new one")
     args = ap.parse_args(argv)
+    if args.compression:
+        compression()  # prints each model's line as it is measured
+        return
     if args.plot:
         print(plot(Path(args.dir), ROOT / "results" / "default_fidelity.png"))
         return
