@@ -20,7 +20,10 @@ Models (random init, nothing downloaded):
   cnn       the project's DigitsResNet (actnn_zoo.models) at batch 128, 28x28
 Modes: fp32 (the plain model), default (``convert_model(model)``: 2-bit average, actnn
 strategy, capture on), uniform-2 (2 bits everywhere, no strategy), no-capture (uniform 2 bits,
-``capture: false``), checkpoint (the plain model, ``torch.utils.checkpoint`` per block).
+``capture: false``), checkpoint (the plain model, ``torch.utils.checkpoint`` per block),
+compiled-fp32 (``torch.compile`` of the plain model) and compiled (``actnn_zoo.compile`` of
+the default conversion), both with ``--backend`` (default inductor); their ratio to each other
+is the compiled target (``x c-fp32``). Compiled modes compile during the warm-up steps.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ import actnn_zoo as az  # noqa: E402
 from actnn_zoo.bench import interleaved_step_times  # noqa: E402
 from actnn_zoo.nn._base import QModule  # noqa: E402
 
-MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint")
+MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint", "compiled-fp32",
+         "compiled")
 OVERRIDES = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
              "no-capture": {"bits": 2, "strategy": "uniform", "capture": False}}
 
@@ -115,7 +119,8 @@ MODELS: Dict[str, Callable[[], Workload]] = {"resnet50": _resnet50, "gpt2": _gpt
                                              "cnn": _cnn}
 
 
-def build_steps(name: str, modes: Sequence[str]) -> Tuple[Dict[str, Callable[[], None]], int]:
+def build_steps(name: str, modes: Sequence[str], backend: str = "inductor"
+                ) -> Tuple[Dict[str, Callable[[], None]], int]:
     """One step function per mode (forward, loss, backward, gradients dropped) and the number
     of Q-modules of the converted model."""
     make, loss_of, checkpointed = MODELS[name]()
@@ -130,6 +135,10 @@ def build_steps(name: str, modes: Sequence[str]) -> Tuple[Dict[str, Callable[[],
             n_q = max(n_q, sum(isinstance(m, QModule) for m in model.modules()))
         elif mode == "checkpoint":
             model = checkpointed(model)
+        elif mode == "compiled-fp32":
+            model = torch.compile(model, backend=backend)
+        elif mode == "compiled":
+            model = az.compile(az.convert_model(model), backend=backend)
         elif mode != "fp32":
             raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
 
@@ -147,6 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode and round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the "
+                   "compiled modes")
     p.add_argument("--warmup", type=int, default=15,
                    help="untimed steps per mode first (past the strategy's first allocations)")
     args = p.parse_args(argv)
@@ -159,16 +170,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         if name not in MODELS:
             p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-        steps, n_q = build_steps(name, modes)
+        steps, n_q = build_steps(name, modes, args.backend)
         times = interleaved_step_times(steps, n=args.steps * args.rounds, warmup=args.warmup,
                                        rounds=args.rounds, clock=time.thread_time)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"\n{name}: {n_q} Q-modules when converted")
-        print(f"{'mode':12s} | {'ms/step':>8s} | {'x fp32':>7s} | {'extra us per Q-module':>22s}")
+        print(f"{'mode':13s} | {'ms/step':>8s} | {'x fp32':>7s} | {'extra us per Q-module':>22s}"
+              f" | {'x c-fp32':>8s}")
         for k in modes:
             extra = (med[k] - med["fp32"]) * 1e3 / n_q if n_q and k in OVERRIDES else None
             cell = f"{extra:22.0f}" if extra is not None else " " * 22
-            print(f"{k:12s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell}")
+            vs = (f"{med[k] / med['compiled-fp32']:8.2f}" if k == "compiled"
+                  and "compiled-fp32" in med else "")
+            print(f"{k:13s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell} | {vs}")
     return 0
 
 

@@ -4,8 +4,9 @@ The strategy's hooks and the capture store are host bookkeeping that runs eagerl
 compile (``actnn_zoo._compile``); these tests train through the strategy's re-allocations,
 where a traced hook used to crash (``AttributeError: 'NoneType' object has no attribute
 'item'`` in ``allocate_samples`` after 12 eager steps). The aot_eager backend keeps the test
-free of C++ code generation. What is not covered yet: graph breaks (each Q-layer breaks the
-graph today) and the compiled backward's saved bytes.
+free of C++ code generation. A plain torch.compile of a converted model still breaks the graph
+at each Q-layer; the path without breaks, with its saved bytes measured, is actnn_zoo.compile
+(tests/test_compiled.py).
 """
 from __future__ import annotations
 

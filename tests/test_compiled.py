@@ -176,3 +176,38 @@ def test_bad_arguments_are_named():
         az.compile(_cnn(), group_size=10)
     with pytest.raises(ValueError, match="min_numel"):
         az.compile(_cnn(), min_numel=0)
+
+
+def test_resnet50_one_graph_compressed_and_trains(one_thread):
+    """torchvision ResNet-50 at the default (batch 2, 32x32): no more graphs than torch.compile
+    of the plain model, allocator bytes within 1.2x of the eager converted model's, and 30
+    compiled training steps. Its 8-bit gradient cosine is measured by
+    scripts/bench_compile.py at batch 8, 64x64 (0.99979; the eager converted model's 0.99973):
+    below 0.9999 on batch-norm weights for both, so not asserted here at 0.9999."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    base = tv.models.resnet50(weights=None, num_classes=10).train()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+    counts: Dict[str, int] = {}
+    plain = torch.compile(copy.deepcopy(base), backend=_counting(counts, "plain"))
+    eager_q = az.convert_model(copy.deepcopy(base))
+    model = az.convert_model(copy.deepcopy(base))
+    compiled = az.compile(model, backend=_counting(counts, "zoo"))
+    held = {}
+    for name, m in (("fp32", base), ("plain", plain), ("eager", eager_q), ("zoo", compiled)):
+        for _ in range(2):
+            held[name] = _held(lambda: F.cross_entropy(m(x), y))  # noqa: B023
+            m.zero_grad(set_to_none=True)
+    assert counts["zoo"] <= counts["plain"], counts
+    assert held["zoo"] <= 1.2 * held["eager"], held
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(30):
+        loss = F.cross_entropy(compiled(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0], losses
+    assert counts["zoo"] <= counts["plain"], counts  # no recompilation into more graphs

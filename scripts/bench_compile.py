@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""actnn_zoo.compile against torch.compile and the eager converted model, in one process.
+
+For each model (random init, nothing downloaded), with dropout off so that runs compare:
+
+* graphs: how many graphs torch.compile makes of the plain model and actnn_zoo.compile of the
+  converted one (a graph break makes one more);
+* held: the bytes a training forward leaves alive (glibc's allocator count around the forward,
+  after warm-up), for fp32, the eager converted model (default settings), torch.compile of the
+  plain model and actnn_zoo.compile of the converted one;
+* cosine: the smallest per-parameter gradient cosine against eager fp32 at 8 bits, for the
+  eager converted model and for actnn_zoo.compile.
+
+    .venv/bin/python scripts/bench_compile.py                  # resnet50 and gpt2
+    .venv/bin/python scripts/bench_compile.py --models gpt2
+
+Backend aot_eager (the graph as traced, no code generation): what is measured here is what is
+saved, not kernel speed (scripts/bench_host_cost.py times the compiled modes).
+
+Models: resnet50 (torchvision, batch 8, 64x64, cross-entropy; torchvision from
+``.bench_deps``, see scripts/third_party.py); gpt2 (transformers GPT-2, 12 layers of width
+64, 4 heads, batch 4 x 32 tokens, the loss inside the model, ``use_cache=False``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import actnn_zoo as az  # noqa: E402
+from actnn_zoo.bench import malloc_live_bytes  # noqa: E402
+
+Workload = Tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor]]
+
+
+def _resnet50() -> Workload:
+    from third_party import import_vision
+
+    tv, _, why = import_vision()
+    if tv is None:
+        raise SystemExit(f"resnet50 needs torchvision ({why}); see scripts/third_party.py")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+    return (lambda: tv.models.resnet50(weights=None, num_classes=10),
+            lambda m: F.cross_entropy(m(x), y))
+
+
+def _gpt2() -> Workload:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=512, n_positions=64,
+                     use_cache=False)
+    ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    return lambda: GPT2LMHeadModel(cfg), lambda m: m(ids, labels=ids).loss
+
+
+MODELS: Dict[str, Callable[[], Workload]] = {"resnet50": _resnet50, "gpt2": _gpt2}
+
+
+def counting_backend(counts: Dict[str, int], tag: str) -> Callable:
+    """aot_eager, counting the graphs it is given."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        counts[tag] = counts.get(tag, 0) + 1
+        return aot_eager(gm, example_inputs)
+    return backend
+
+
+def held_bytes(loss_of: Callable[[nn.Module], torch.Tensor], model: nn.Module,
+               steps: int = 3) -> int:
+    """Bytes the last of ``steps`` forwards left alive (the first ones compile and warm up)."""
+    held = 0
+    for _ in range(steps):
+        before = malloc_live_bytes()
+        loss = loss_of(model)
+        held = malloc_live_bytes() - before
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    return held
+
+
+def min_cosine(ref: nn.Module, other: nn.Module) -> Tuple[float, str]:
+    worst = (2.0, "")
+    for (name, a), b in zip(ref.named_parameters(), other.parameters()):
+        if a.grad is not None and a.grad.any():
+            cos = F.cosine_similarity(a.grad.flatten(), b.grad.flatten(), 0).item()
+            worst = min(worst, (cos, name))
+    return worst
+
+
+def measure(name: str) -> str:
+    make, loss_of = MODELS[name]()
+    torch.manual_seed(0)
+    base = make().train()
+    for m in base.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    counts: Dict[str, int] = {}
+    runs = {"fp32": base,
+            "eager default": az.convert_model(copy.deepcopy(base)),
+            "torch.compile fp32": torch.compile(copy.deepcopy(base),
+                                                backend=counting_backend(counts, "plain")),
+            "actnn_zoo.compile": az.compile(az.convert_model(copy.deepcopy(base)),
+                                            backend=counting_backend(counts, "zoo"))}
+    held = {k: held_bytes(loss_of, m) for k, m in runs.items()}
+    ref = copy.deepcopy(base)
+    loss_of(ref).backward()
+    eager8 = az.convert_model(copy.deepcopy(base), bits=8)
+    loss_of(eager8).backward()
+    zoo8 = az.convert_model(copy.deepcopy(base), bits=8)
+    loss_of(az.compile(zoo8, backend="aot_eager")).backward()
+    lines = [f"\n{name}: graphs torch.compile {counts.get('plain')} / actnn_zoo.compile "
+             f"{counts.get('zoo')}",
+             f"{'mode':20s} | {'held MiB':>9s} | {'x less than fp32':>16s}"]
+    for k, v in held.items():
+        lines.append(f"{k:20s} | {v / 2 ** 20:9.3f} | {held['fp32'] / max(v, 1):16.1f}")
+    lines.append(f"actnn_zoo.compile held / eager default held: "
+                 f"{held['actnn_zoo.compile'] / held['eager default']:.2f}")
+    for tag, m in (("eager converted", eager8), ("actnn_zoo.compile", zoo8)):
+        cos, where = min_cosine(ref, m)
+        lines.append(f"8-bit min gradient cosine vs fp32, {tag}: {cos:.6f} ({where})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, backend aot_eager, 1 thread")
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if name not in MODELS:
+            p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+        print(measure(name), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
