@@ -278,7 +278,7 @@ def fidelity_rows(base: nn.Module, x: Tensor, y: Tensor, exact: Dict[str, Tensor
                                  seed + 2)
     rows["actnn 2"] = fidelity(base, {**common, "strategy": "actnn"}, x, y, exact, passes,
                                seed + 2)
-    rows["gact 2 (joint)"] = fidelity(base, {**common, "strategy": "gact"}, x, y, exact,
+    rows["gact 2 (hybrid)"] = fidelity(base, {**common, "strategy": "gact"}, x, y, exact,
                                       passes, seed + 2)
 
     def per_tensor(m: nn.Module) -> None:

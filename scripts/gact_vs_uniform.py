@@ -251,7 +251,7 @@ def measure(name: str, seed: int, steps: int = 30, draws: int = 16, bits: float 
     gb, ub = _bytes(model, x, y), _bytes(uni, x, y)
     return Result(name, seed, gm, gse, um, use, gw, gwse, uw, uwse, gb, ub,
                   float(s.report()["average_bits"]), s.layer_budgets(),
-                  s.report()["predicted_ratio"], time.perf_counter() - t0)
+                  s.report().get("predicted_ratio"), time.perf_counter() - t0)
 
 
 def _fmt(v: Optional[float]) -> str:

@@ -305,10 +305,10 @@ def test_update_schedule_and_one_read_per_update(monkeypatch):
 
 def test_converted_model_trains():
     torch.manual_seed(0)
-    model = az.convert_model(Net(), strategy="gact", bits=2, update_interval=5)
+    model = az.convert_model(Net(), strategy="gact", bits=2, update_interval=10)
     losses = train(model, 60)
     assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:10]) / 10, losses
-    assert precision_strategy(model).updates >= 10
+    assert precision_strategy(model).updates >= 5
 
 
 def test_deepcopy_and_restore():
@@ -400,12 +400,13 @@ def test_no_predicted_gain_keeps_uniform_widths():
 
 
 def test_detach_restores_the_configured_widths():
+    """GACT sets widths through each layer's qconfig; detaching puts the configured one back."""
     torch.manual_seed(0)
-    model = az.convert_model(TwoHeads(), strategy="gact", bits=2, capture=False)
+    model = az.convert_model(TwoHeads(), strategy="gact", bits=3, capture=False)
+    orig = {n: model.get_submodule(n).qconfig for n in ("a", "b")}
     x = torch.randn(32, 256)
     for _ in range(3):
         model(x).square().sum().backward()
-    assert model.b.qconfig.bits != 2
-    plain = az.restore_model(model)
-    again = az.convert_model(plain, strategy="uniform", bits=2)
-    assert again.b.qconfig.bits == 2 and again.a.qconfig.bits == 2
+    assert any(model.get_submodule(n).qconfig.bits != orig[n].bits for n in orig)
+    precision_strategy(model).detach()
+    assert all(model.get_submodule(n).qconfig is orig[n] for n in orig)

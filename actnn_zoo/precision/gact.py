@@ -4,63 +4,93 @@ sensitivities, in the style of GACT (Liu et al., ICML 2022).
 Model (GACT, section 4). Compressing the tensor saved by Q-layer l at b bits adds about
 ``C_l / (2^b - 1)^2`` to the variance of the whole parameter gradient, the terms of different
 tensors adding up (independent stochastic rounding). The widths ``b_l`` in {1, 2, 4, 8}
-minimise ``sum_l C_l / (2^b_l - 1)^2`` subject to ``sum_l n_l b_l <= bits * sum_l n_l``
-(``n_l``: values the tensor holds, so the budget is the average width over all compressed
-values). 8 is the top: a Q-layer has no "keep it uncompressed" width.
+minimise ``sum_l V_l(b_l)`` subject to ``sum_l v_l b_l <= bits * sum_l v_l``, with
+``V_l(b) = C_l / (2^b - 1)^2`` except where the 1-bit variance is measured (below). 8 is the
+top: a Q-layer has no "keep it uncompressed" width.
+
+Budget in bytes (ours; GACT counts values). ``v_l`` is the number of values tensor l's codes
+hold, so that the constraint is "no more saved bytes than every tensor at ``bits``": the
+per-group metadata (a bf16 minimum and step per group) does not depend on the width and is
+the same on both sides. A ReLU output stored as sparse codes (``relu_codes``: a mask plus the
+codes of its nonzeros) has ``v_l`` = its nonzeros, measured by the probe; a tensor several
+conv / linear layers save (a block input read by a conv and a projection shortcut, q / k / v
+projections of one input) is one payload in the capture store, so those layers are one item
+of the solve (their C summed, one width, ``v`` counted once). A width reaches the layer as
+its qconfig's int ``bits`` (the configured qconfig is restored on detach), not as per-sample
+widths: per-sample widths add 9 bytes per row (row widths and offsets) and the store never
+shares a per-sample payload. Counting values instead cost 2-3% more bytes than uniform on the
+digits CNN (sparse codes downgraded as if 1 bit saved a bit per value, 4- and 8-bit rows of
+32-64 values paying the per-row overhead).
 
 Solver (:func:`greedy_widths`, GACT's): everyone starts at 8 bits; a heap holds each tensor's
 next step down (8 -> 4 -> 2 -> 1) keyed by the variance it adds per bit it saves,
-``C (v(b') - v(b)) / (n (b - b'))`` with ``v(b) = 1 / (2^b - 1)^2``; the cheapest step is taken
-until the budget holds. Per tensor these keys increase along the chain (0.0011 C/n, 0.053 C/n,
-0.89 C/n per bit), so the steps are taken in globally increasing key order and the result is a
-Lagrangian optimum: exactly optimal among all allocations spending at most what it spends
-(tested against brute force). The last step may overshoot the budget; the bits left are then
-given back by upgrades that still fit, best gain per bit first.
+``(V(b') - V(b)) / (v (b - b'))``; the cheapest step is taken until the budget holds. Per
+tensor these keys increase along the chain (0.0011 C/v, 0.053 C/v, 0.89 C/v per bit under the
+model; a measured 1-bit variance is raised where needed to keep that order,
+:func:`convex_one_bit`), so the steps are taken in globally increasing key order and the
+result is a Lagrangian optimum: exactly optimal among all allocations spending at most what it
+spends (tested against brute force). The last step may overshoot the budget; the bits left are
+then given back by upgrades that still fit, best gain per bit first.
 
-Estimator of C_l (ours; GACT needs per tensor l a few extra forward + backward passes with only
-tensor l compressed, on an 8-sample sub-batch every 1000 steps: hundreds of passes on BERT).
-The probe replays the last recorded training batch (its first ``probe_samples`` samples, with
-the gradient the loss sent into the model's output, so the loss need not be known) and controls
-the stochastic-rounding seed of every Q-layer separately: a forward pre-hook seeds torch's CPU
-generator from (probe, layer, variant) right before the layer quantizes, a forward hook
-re-seeds it to a neutral value after it. Two passes that differ only in the variant of some
-layers differ only in those layers' rounding; dropout modules, what tier 3 compresses and
-everything else random are identical. A weight gradient is linear in each saved tensor, so the
-difference ``g1 - g2`` is a draw of the difference of two independent noises:
-``E ||g1 - g2||^2 / 2 = Var`` of what the re-seeded tensors add. Three passes on the sub-batch
-per update (``estimator="joint"``):
+Guard (ours). At a budget that is itself a width (2 bits), uniform widths are a feasible
+allocation; the new allocation is applied only if the model predicts at least ``min_gain``
+(10%) less variance than uniform, else every free tensor keeps the budget's width. Measured
+on the digits CNN (scripts/gact_vs_uniform.py), the model's prediction is within about +-10%
+of the measured ratio, and allocations predicted 0.9-1.0x uniform measured 0.88x-1.07x: below
+that margin the allocation is noise. ``report()["predicted_ratio"]`` is the last prediction.
+
+Estimator of C_l (``estimator="hybrid"``, the default; GACT needs per tensor l a few extra
+forward + backward passes with only tensor l compressed, on an 8-sample sub-batch every 1000
+steps). The probe replays the last recorded training batch (its first ``probe_samples``
+samples, with the gradient the loss sent into the model's output, so the loss need not be
+known) and controls the stochastic-rounding seeds of every Q-layer separately: a forward
+pre-hook seeds torch's CPU generator from (probe, layer, variant) and opens a seed stream
+keyed from it (``quant/seeds.py``: inside a capture session every compressed tensor takes its
+seed from the session's stream, so re-seeding the generator alone changed no rounding: every
+conv / linear sensitivity came out 0, all of them went to 1 bit, 7.1x uniform's gradient
+error on scripts/gact_vs_uniform.py's digits CNN); a forward hook closes it and re-seeds to a
+neutral value. Two passes that
+differ only in the variant of some layers differ only in those layers' rounding; dropout
+modules, what tier 3 compresses and everything else random are identical. A weight gradient
+is linear in each saved conv / linear input, so ``E ||g1 - g2||^2 / 2 = Var`` of what the
+re-seeded tensors add. Passes per update:
 
 * R: reference seeds;
 * A: every free conv / linear tensor re-seeded. Their noise enters only their own weight
   gradient (the input gradient ``W^T g_y`` does not read the saved input, and the output
   gradient is the same in R and A), so ``||(g_R - g_A)[W_l]||^2 / 2`` is, exactly in
   expectation, tensor l's variance: all of them from one pass;
-* B: every other free tensor re-seeded (norms, smooth activations, softmax). Their noise enters
-  the input gradient and every earlier parameter; we attribute to tensor l the variance of the
-  parameters of the layer that consumes it in backward: its own parameters (a norm's affine
-  weight) and those of the nearest conv / linear executed before it (whose weight gradient is
-  linear in the gradient that tensor produces). This is an approximation: it misses the part
-  that travels further up and counts noise that deeper tensors sent through the same layer.
+* per other free tensor (norms, smooth activations, softmax), one pass re-seeding it alone,
+  the variance summed over every parameter (its noise reaches every earlier layer), and, when
+  its width is above 1, two passes at 1 bit (seeds 0 and 1): its 1-bit variance, measured.
+  The 1/(2^b - 1)^2 model holds for conv / linear inputs (measured 9.1x from 2 bits to 1 on
+  the digits CNN) but not for norms, whose backward is quadratic in what they save: their 1-bit
+  variance measured 12-45x their 2-bit one, and three BatchNorms moved to 1 bit on the model's
+  9x added 35% to the CNN's gradient variance where 18% was predicted.
 
-Then ``C_l = Var_l * (2^b_l - 1)^2`` at the width ``b_l`` the probe used. Cost per update:
-3 forward + 3 backward passes of ``probe_samples`` samples, whatever the number of tensors.
-``estimator="per_tensor"`` is GACT's estimator with the same seed control (the reference pass
-plus one pass per free tensor re-seeding only it, the variance summed over every parameter):
-``1 + L`` passes, exact up to sampling noise; ``scripts/bench_strategies.py`` compares the two.
+``2 + 3 L_other`` passes of ``probe_samples`` samples per update. ``estimator="joint"`` (3
+passes: R, A and one re-seeding every other tensor, its variance attributed to the parameters
+of the layer consuming it in backward) is cheaper but misses what travels further up: on
+random-init GPT-2, whose LayerNorms feed layers GACT does not see, it under-rated them and
+lost to uniform (docs/results.md). ``estimator="per_tensor"`` is GACT's (1 + L passes, every
+tensor alone, the variance over every parameter; no 1-bit measurement).
+``scripts/bench_strategies.py`` compares them.
 
 Schedule: the batch of step ``t - 1`` is recorded when step ``t`` is an update step (step 2,
 then every ``update_interval`` steps); the probe runs in the model's forward pre-hook of step
 ``t`` (before its forward, outside any backward), leaves the training RNG stream, the
 parameters' ``.grad`` and the BatchNorm running statistics as they were, and sends its
-sensitivities to the host with one non-blocking copy (``readback.DeferredRead``). Step ``t + 1``
-reads them, solves on the host and applies the widths. Nothing reads the device per step.
-Until the first update applies every free layer uses the config's width (``qconfig.bits``).
+sensitivities (and the sparse tensors' nonzero fractions) to the host with one non-blocking
+copy (``readback.DeferredRead``). Step ``t + 1`` reads them, solves on the host and applies
+the widths. Nothing reads the device per step. Until the first update applies every free
+layer uses the config's width (``qconfig.bits``).
 
 Limits: the model's output must be a tensor or a flat tuple / list / dict of tensors (else no
 probe runs and the widths stay uniform); randomness outside torch's CPU generator or the
 Q-layers' control (functional dropout on CUDA) adds to the estimate; the probe's forwards run
 the model's other forward hooks too. Pinned layers keep their width and their cost is taken
-off the budget.
+off the budget. What tier 2 / 3 of capture compresses (GPT-2's Conv1D inputs, attention) is
+outside GACT's control and its noise is the same under every allocation.
 """
 from __future__ import annotations
 
@@ -310,7 +340,8 @@ class GACTStrategy(PrecisionStrategy):
     """``strategy: gact`` -- per-tensor widths from probed sensitivities (module doc).
 
     ``probe_samples``: samples of the recorded batch the probe replays (GACT: 8);
-    ``estimator``: "joint" (3 passes) or "per_tensor" (GACT's, 1 + L passes);
+    ``estimator``: "hybrid" (2 + 3 L_other passes, the default), "joint" (3 passes) or
+    "per_tensor" (GACT's, 1 + L passes);
     ``probe_repeats``: independent probes averaged per update (more passes, less noise).
     """
 
