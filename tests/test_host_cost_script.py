@@ -13,16 +13,21 @@ def _script():
 
 def test_table_has_ratios_and_extra_per_q_module(capsys):
     mod = _script()
-    assert mod.main(["--models", "gpt2", "--modes", "default,no-capture,checkpoint",
-                     "--steps", "1", "--rounds", "1", "--warmup", "1"]) == 0
+    assert mod.main(["--models", "gpt2", "--modes",
+                     "default,no-capture,checkpoint,compiled-fp32,compiled", "--backend",
+                     "aot_eager", "--steps", "1", "--rounds", "1", "--warmup", "2"]) == 0
     out = capsys.readouterr().out
     assert "gpt2: 123 Q-modules when converted" in out
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
-            for line in out.splitlines() if line.count("|") == 3}
-    assert list(rows)[1:] == ["fp32", "default", "no-capture", "checkpoint"]
+            for line in out.splitlines() if line.count("|") == 4}
+    assert list(rows)[1:] == ["fp32", "default", "no-capture", "checkpoint", "compiled-fp32",
+                              "compiled"]
     fp32 = float(rows["fp32"][0])
+    # the compiled target: actnn_zoo.compile's step over torch.compile's of the plain model
+    assert float(rows["compiled"][3]) == pytest.approx(
+        float(rows["compiled"][0]) / float(rows["compiled-fp32"][0]), abs=0.01)
     for mode in ("default", "no-capture", "checkpoint"):
-        ms, ratio, extra = rows[mode]
+        ms, ratio, extra, _ = rows[mode]
         assert float(ratio) == pytest.approx(float(ms) / fp32, abs=0.01)
         # extra us per Q-module: only for converted modes
         if mode == "checkpoint":
