@@ -18,6 +18,11 @@ JSON exists under ``--dir`` is skipped::
     PYTHONPATH=. .venv/bin/python scripts/default_fidelity.py --runs fp32,model_default \\
         --steps 1000 --seeds 0,1,2
     PYTHONPATH=. .venv/bin/python scripts/default_fidelity.py --report
+    PYTHONPATH=. .venv/bin/python scripts/default_fidelity.py --plot         # the curve
+    PYTHONPATH=. .venv/bin/python scripts/default_fidelity.py --compression  # project / HF
+
+The 1000-step fp32 runs are the demo's (``results/demo_text_capture_seed*.json``: the same
+``train_text``, fp32 is deterministic), copied in as ``text_fp32_1000st_s*.json``.
 """
 from __future__ import annotations
 

@@ -119,3 +119,27 @@ def test_realised_average_with_capture_tiers_stays_within_the_budget(monkeypatch
             assert tier_values > 0.2 * (q_values + tier_values)
             assert q_bits / q_values < TRANSFORMER_BITS - 0.1
             assert 0.9 * TRANSFORMER_BITS <= average <= TRANSFORMER_BITS + 1e-9, average
+
+
+def test_the_measured_config_is_the_default_on_the_text_transformer():
+    """scripts/default_fidelity.py's 1000-step runs of 't3.25_attnlin4' (patterns) measure the
+    default: on the demo's transformer it pins the same layers at the same widths, with the
+    same budget and tier width; every candidate there is a valid config."""
+    import sys
+    from pathlib import Path
+
+    from actnn_zoo.config import as_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import default_fidelity
+
+    for name, cfg in default_fidelity.CANDIDATES.items():
+        if isinstance(cfg, dict):
+            as_config(cfg)
+    model = CharTransformer()  # the demo's sizes but the vocabulary
+    measured = as_config(default_fidelity.CANDIDATES["t3.25_attnlin4"])
+    default = default_config(model)
+    assert (measured.bits, measured.capture_bits, measured.strategy) == (
+        default.bits, default.capture_bits, default.strategy)
+    for name, module in model.named_modules():
+        assert measured.pinned_bits(name, module) == default.pinned_bits(name, module), name
