@@ -45,7 +45,17 @@ def test_models_without_attention_keep_the_plain_default():
     assert QuantConfig().bits == 2 and QuantConfig().strategy == "actnn"
     model = az.convert_model(DigitsResNet())
     assert model.actnn_zoo_report.config == QuantConfig()
-    assert precision_strategy(model).budget == 2.0
+    strategy = precision_strategy(model)
+    assert strategy.budget == 2.0
+    # counting tier 3 changes nothing here: its width is the budget's, so after the
+    # re-allocations the layers without a sensitivity model keep exactly 2 bits (the ladder)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(4):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(16, 1, 8, 8)), torch.randint(0, 10, (16,))).backward()
+        opt.step()
+    assert strategy.updates >= 1 and az.capture_report(model) is not None
+    assert all(w.budget == 2.0 for w in strategy.watched if not w.kind.modelled)
 
 
 def test_attention_models_get_the_transformer_default():
