@@ -275,8 +275,8 @@ def test_probe_leaves_no_trace():
     state = torch.get_rng_state()
     s.probe(model)  # what step 2's pre-hook runs
     # hybrid: reference, conv / linear re-seeded, then per other tensor (bn1, bn2, gelu) one
-    # pass at its width and two at 1 bit
-    assert s.probes == 1 and s.probe_passes == 2 + 3 * 3
+    # pass at its width, and for gelu two at 1 bit (norms do not go to 1 bit)
+    assert s.probes == 1 and s.probe_passes == 2 + 3 + 2
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
     assert torch.equal(state, torch.get_rng_state())
@@ -348,10 +348,11 @@ class Shared(nn.Module):
 def test_budget_counts_bytes_shared_and_sparse_payloads():
     """A tensor two convs save is one payload at one width and counts once; a ReLU output's
     sparse codes cost its nonzeros; the saved bytes (codes and metadata, what autograd and the
-    store keep) stay within uniform 2 bits' on the same weights."""
+    store keep) at a 3-bit budget stay within the mean of uniform 2 and 4 bits' on the same
+    weights (bytes are linear in the width: codes, plus metadata that does not depend on it)."""
     torch.manual_seed(0)
     x, y = problem(64)
-    model = az.convert_model(Shared(), strategy="gact", bits=2, update_interval=2)
+    model = az.convert_model(Shared(), strategy="gact", bits=3, update_interval=2)
     s = precision_strategy(model)
     s.min_gain = 0.0  # apply whatever the model predicts, to exercise the accounting
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -364,16 +365,17 @@ def test_budget_counts_bytes_shared_and_sparse_payloads():
     assert layers["a"].width == layers["b"].width
     assert 0.2 < layers["a"].density < 0.8  # about half the ReLU output is zero
     assert layers["bn0"].density == 1.0
-    assert set(s.layer_budgets().values()) != {2.0}, s.layer_budgets()  # not uniform
+    assert len(set(s.layer_budgets().values())) > 1, s.layer_budgets()  # not uniform
     plain = az.restore_model(__import__("copy").deepcopy(model))
-    uniform = az.convert_model(plain, strategy="uniform", bits=2)
     loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
     got = saved_activation_bytes(model, x, loss_fn=loss, warmup=1).total_bytes
-    ref = saved_activation_bytes(uniform, x, loss_fn=loss, warmup=1).total_bytes
+    ref = sum(saved_activation_bytes(az.convert_model(__import__("copy").deepcopy(plain),
+                                                      strategy="uniform", bits=b), x,
+                                     loss_fn=loss, warmup=1).total_bytes for b in (2, 4)) / 2
     # the budget is exact in values; rows round up to whole bytes and the nonzero fraction is
     # measured on the probe's 8 samples: 1% slack
     assert got <= ref * 1.01, (got, ref, s.layer_budgets())
-    assert s.report()["average_bits"] <= 2.0 + 1e-9
+    assert s.report()["average_bits"] <= 3.0 + 1e-9
 
 
 def test_no_predicted_gain_keeps_uniform_widths():

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -234,6 +235,11 @@ def _half_sq(ref: List[Optional[Tensor]], other: List[Optional[Tensor]], idx: An
             continue
         total = total + torch.linalg.vector_norm((a - b).to(torch.float64)).square().to(dev)
     return total / 2.0
+
+
+def _quadratic(w: "_Layer") -> bool:
+    """Norms and softmax: a backward quadratic in the saved tensor (module doc)."""
+    return w.kind is not None and w.kind.name in ("norm", "softmax")
 
 
 def _memory(x: Tensor) -> Optional[Tuple]:
@@ -626,7 +632,7 @@ class GACTStrategy(PrecisionStrategy):
                     out.append(sq(res_a, w.params()) * levels[w.index])
                     continue
                 out.append(sq(run({w.index}), None) * levels[w.index])
-                if w.width > 1:  # the 1-bit variance, measured: two passes at 1 bit
+                if w.width > 1 and not _quadratic(w):  # 1-bit variance: two passes
                     old = w.width
                     w.set_width(1)
                     try:
@@ -715,7 +721,9 @@ class GACTStrategy(PrecisionStrategy):
                           f"budget allows; the other layers get 1 bit, and the average exceeds "
                           f"the budget", UserWarning, stacklevel=2)
         score = [sum(w.sensitivity or 0.0 for w in g) for g in free]
-        ones = [convex_one_bit(c, g[0].one_bit if len(g) == 1 else None)
+        # norms and softmax go to 1 bit only when nothing else is left to take down
+        ones = [math.inf if _quadratic(g[0]) else
+                convex_one_bit(c, g[0].one_bit if len(g) == 1 else None)
                 for c, g in zip(score, free)]
         sizes = [max(g[0].values() * g[0].density, 1e-30) for g in free]
         widths = greedy_widths(score, sizes, b_free, one_bit=ones)
@@ -724,7 +732,7 @@ class GACTStrategy(PrecisionStrategy):
         if flat == self.budget and flat in WIDTHS and b_free >= flat * (1 - 1e-12):
             # uniform widths fit too: keep them unless the model predicts a clear gain
             uniform = variance_cost(score, [flat] * len(free), ones)
-            if uniform > 0:
+            if 0 < uniform < math.inf:
                 self.predicted_ratio = variance_cost(score, widths, ones) / uniform
                 if self.predicted_ratio > 1.0 - self.min_gain:
                     widths = [flat] * len(free)
