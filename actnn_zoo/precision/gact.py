@@ -61,14 +61,20 @@ re-seeded tensors add. Passes per update:
   gradient is the same in R and A), so ``||(g_R - g_A)[W_l]||^2 / 2`` is, exactly in
   expectation, tensor l's variance: all of them from one pass;
 * per other free tensor (norms, smooth activations, softmax), one pass re-seeding it alone,
-  the variance summed over every parameter (its noise reaches every earlier layer), and, when
-  its width is above 1, two passes at 1 bit (seeds 0 and 1): its 1-bit variance, measured.
-  The 1/(2^b - 1)^2 model holds for conv / linear inputs (measured 9.1x from 2 bits to 1 on
-  the digits CNN) but not for norms, whose backward is quadratic in what they save: their 1-bit
-  variance measured 12-45x their 2-bit one, and three BatchNorms moved to 1 bit on the model's
-  9x added 35% to the CNN's gradient variance where 18% was predicted.
+  the variance summed over every parameter (its noise reaches every earlier layer), and, for
+  an activation's derivative above 1 bit, two passes at 1 bit (seeds 0 and 1): its 1-bit
+  variance, measured.
 
-``2 + 3 L_other`` passes of ``probe_samples`` samples per update. ``estimator="joint"`` (3
+The 1/(2^b - 1)^2 model holds for conv / linear inputs (measured 9.1x from 2 bits to 1 on the
+digits CNN) but not for norms, whose backward is quadratic in what they save: their 1-bit
+variance measured 12-45x their 2-bit one, three BatchNorms moved to 1 bit on the model's 9x
+added 35% to the CNN's gradient variance where 18% was predicted, and with the 1-bit variance
+measured (one draw on 8 samples) three LayerNorms of GPT-2 at 1 bit still cost 1.09x uniform's
+weight error (heavy tails a draw misses). So norms and softmax (the same quadratic backward)
+take the step to 1 bit only when nothing else is left to take down (a budget under 2 bits):
+their 1-bit variance is infinite to the solver, which keeps any budget.
+
+``2 + L_other + 2 L_act`` passes of ``probe_samples`` samples per update. ``estimator="joint"`` (3
 passes: R, A and one re-seeding every other tensor, its variance attributed to the parameters
 of the layer consuming it in backward) is cheaper but misses what travels further up: on
 random-init GPT-2, whose LayerNorms feed layers GACT does not see, it under-rated them and
