@@ -4,7 +4,8 @@ A strategy is attached to one converted model by :func:`actnn_zoo.convert_model`
 ``model.actnn_zoo_precision``) and detached by ``restore_model`` or a re-conversion. It may
 register hooks on the model and its Q-layers, keeps all its state on itself and on the layers
 (``module.precision_stats``), and acts only by setting ``module.sample_bits`` (the per-sample
-widths the layer's next training forward passes to its Function). Layers and Functions do not
+widths the layer's next training forward passes to its Function) or, for one width per layer
+(gact), the layer's ``qconfig.bits``, which it restores when detached. Layers and Functions do not
 know which strategy runs, so new strategies (GACT, AC-GC, DIVISION) plug in here.
 """
 from __future__ import annotations
