@@ -21,6 +21,8 @@ import actnn_zoo as az
 from actnn_zoo._compile import INLINE_ATTR
 from actnn_zoo.bench import malloc_live_bytes
 
+from _scripts import load_script
+
 
 def _cnn() -> nn.Module:
     """Conv-BN-ReLU blocks with an in-place ReLU and a max-pool (no conv bias before a BN: its
@@ -34,12 +36,22 @@ def _cnn() -> nn.Module:
 
 
 def _counting(counts: Dict[str, int], tag: str) -> Callable:
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+    """aot_eager, counting the graphs it is given (scripts/bench_compile.py's)."""
+    return load_script("bench_compile.py").counting_backend(counts, tag)
 
-    def backend(gm, example_inputs):
-        counts[tag] = counts.get(tag, 0) + 1
-        return aot_eager(gm, example_inputs)
-    return backend
+
+def _train_30_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                    y: torch.Tensor) -> None:
+    """30 steps of cross-entropy on one batch: finite, and the loss at least halved."""
+    losses = []
+    for _ in range(30):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < 0.5 * losses[0], losses
 
 
 def _held(step: Callable[[], torch.Tensor]) -> int:
@@ -111,16 +123,7 @@ def test_cnn_trains_30_steps(one_thread):
     x, y = torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
     model = az.convert_model(_cnn())
     compiled = az.compile(model, backend="aot_eager")
-    opt = torch.optim.Adam(compiled.parameters(), lr=0.01)
-    losses = []
-    for _ in range(30):
-        loss = F.cross_entropy(compiled(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < 0.5 * losses[0], losses
+    _train_30_steps(compiled, torch.optim.Adam(compiled.parameters(), lr=0.01), x, y)
     # the running statistics moved as torch's would (updated in the compiled graph)
     assert float(model[1].num_batches_tracked) == 30
     assert not torch.allclose(model[1].running_var, torch.ones(16))
@@ -201,13 +204,6 @@ def test_resnet50_one_graph_compressed_and_trains(one_thread):
             m.zero_grad(set_to_none=True)
     assert counts["zoo"] <= counts["plain"], counts
     assert held["zoo"] <= 1.2 * held["eager"], held
-    opt = torch.optim.SGD(compiled.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for _ in range(30):
-        loss = F.cross_entropy(compiled(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0], losses
+    _train_30_steps(compiled, torch.optim.SGD(compiled.parameters(), lr=0.05, momentum=0.9),
+                    x, y)
     assert counts["zoo"] <= counts["plain"], counts  # no recompilation into more graphs
