@@ -207,3 +207,17 @@ def test_resnet50_one_graph_compressed_and_trains(one_thread):
     _train_30_steps(compiled, torch.optim.SGD(compiled.parameters(), lr=0.05, momentum=0.9),
                     x, y)
     assert counts["zoo"] <= counts["plain"], counts  # no recompilation into more graphs
+
+
+def test_inductor_gradients_match_at_8_bits(one_thread):
+    """The default backend (inductor: generated C++ around the custom operators), dynamic
+    shapes on: 8-bit gradients as close to fp32's as aot_eager's."""
+    torch.manual_seed(0)
+    base = _cnn().train()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+    ref = copy.deepcopy(base)
+    F.cross_entropy(ref(x), y).backward()
+    q8 = az.convert_model(copy.deepcopy(base), bits=8)
+    F.cross_entropy(az.compile(q8, dynamic=True)(x), y).backward()
+    assert _min_cosine(ref, q8) >= 0.9999
