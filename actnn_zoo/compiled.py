@@ -15,13 +15,16 @@ never the model's inputs, parameters or buffers. What each saved tensor becomes:
   graph (new every step), in the tensor's memory order, so the backward gets back its strides
   (a view with gaps, such as q, k or v sliced from one projection, is copied first and comes
   back as a copy with the same strides);
-* bool with at least ``min_numel`` values (ReLU's mask, dropout's): 1 bit per value;
+* bool with at least ``min_numel`` values (dropout's mask): 1 bit per value;
 * anything else (indices, statistics, small or sparse tensors, and tensors made from no
   floating input, such as an additive attention mask of zeros and ``finfo.min``, whose zeros
   rounding would move): kept as it is.
 
-ReLU saves its bool mask (:class:`~actnn_zoo.functional.activation.BoolMaskReLU`) instead of
-its output, whose rounding would move values across zero. What this path does not do: the
+Three layers keep their own saving while traced: ReLU a mask packed by the operator
+(:class:`~actnn_zoo.functional.activation.BoolMaskReLU`; its rounded output would move values
+across zero), BatchNorm codes of its normalized input
+(:class:`~actnn_zoo.functional.norm.NormalizedBatchNorm`), MaxPool2d each maximum's window
+position (:class:`~actnn_zoo.functional.pool.WindowCodeMaxPool2d`). What this path does not do: the
 precision strategies' per-layer and per-sample widths (every tensor gets ``bits``; their
 hooks step aside while it traces), tier 2's routing (attention and the loss are whatever the
 traced ops save), and the autocast weight copies, which the graph saves as intermediates, are

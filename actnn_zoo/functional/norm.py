@@ -503,8 +503,9 @@ class NormalizedBatchNorm(torch.autograd.Function):
     torch's own kernel (``aten::native_batch_norm``), so the forward is torch's."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],  # type: ignore[override]
-                eps: float, bits: int, group_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, x: Tensor, weight: Optional[Tensor],  # type: ignore[override]
+                bias: Optional[Tensor], eps: float, bits: int,
+                group_size: int) -> Tuple[Tensor, Tensor, Tensor]:
         # torch's own kernel for the output and the statistics: the forward is torch's, bit
         # for bit (running averages are updated by the caller)
         y, mean, invstd = torch.ops.aten.native_batch_norm(x, weight, bias, None, None, True,

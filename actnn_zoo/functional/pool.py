@@ -527,16 +527,18 @@ def _unpack_bytes(packed: Tensor, width: int, shape: List[int]) -> Tensor:
 
 class WindowCodeMaxPool2d(torch.autograd.Function):
     """2-d max pooling that saves each maximum's position inside its window (1, 2, 4 or 8 bits:
-    2 for 2x2 windows, 4 for 3x3), in traceable ops: the form :func:`actnn_zoo.compile` traces (torch's op saves its input and
-    int64 indices, 8 bytes per output value, which a compiled graph cannot compress).
+    2 for 2x2 windows, 4 for 3x3), in traceable ops: the form :func:`actnn_zoo.compile`
+    traces (torch's op saves its input and int64 indices, 8 bytes per output value, which a
+    compiled graph cannot compress).
 
     The forward is torch's (``F.max_pool2d`` with indices); backward rebuilds torch's flat
     indices from (window start + position) and calls torch's public backward op, so the
     gradient is torch's. Windows of at most 256 positions."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, kernel: Tuple[int, int], stride: Tuple[int, int],  # type: ignore[override]
-                padding: Tuple[int, int], dilation: Tuple[int, int], ceil_mode: bool) -> Tensor:
+    def forward(ctx, x: Tensor, kernel: Tuple[int, int],  # type: ignore[override]
+                stride: Tuple[int, int], padding: Tuple[int, int],
+                dilation: Tuple[int, int], ceil_mode: bool) -> Tensor:
         out, idx = F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode,
                                 return_indices=True)
         w_in = x.shape[-1]
