@@ -72,7 +72,7 @@ def saved_by_checkpoint(hook_files: Tuple[str, ...]) -> bool:
     from other values than the forward did (measured: 7% error in a conv bias gradient at 8
     bits).
 
-    torch 2.13 saves them from Python with ``torch._C._autograd._make_saved_tensor``: no
+    torch 2.13 saves them from Python through an internal helper of its own: no
     autograd Function, no torch call before the save that the capture mode could see, so the
     public signal tier 3 uses for custom Functions (their forward runs under no_grad; that is
     how a re-entrant checkpoint's inputs, torch's or another library's, are kept exact) does not
