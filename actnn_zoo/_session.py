@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from typing import Any, Callable, Optional, Protocol, Tuple
+from typing import Any, Callable, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -197,6 +197,15 @@ def dense_order(t: Tensor) -> Optional[Tuple[int, ...]]:
         return tuple(range(t.dim()))
     p = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
     return p if t.permute(p).is_contiguous() else None
+
+
+def inverse_order(p: Sequence[int]) -> Tuple[int, ...]:
+    """The permutation that undoes ``p`` (``t.permute(p).permute(inverse_order(p))`` is ``t``),
+    to lay out again what was stored in :func:`dense_order`."""
+    inv = [0] * len(p)
+    for i, d in enumerate(p):
+        inv[d] = i
+    return tuple(inv)
 
 
 def storage_ptr(t: Tensor) -> int:

@@ -32,13 +32,13 @@ compressed like activations (docs/design.md, "torch.compile").
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from ._compile import INLINE_ATTR, InlineSwitch
-from ._session import dense_order
+from ._session import dense_order, inverse_order
 from ._torch_private import compiled_saved_from_float_input, compiled_saved_output_index
 from .nn._base import QModule
 from .quant import check_bits, check_group_size
@@ -48,13 +48,6 @@ __all__ = ["compile", "CompressedCompile"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _RAW, _MASK, _CODES = 0, 1, 2
-
-
-def _inverse(p: Sequence[int]) -> Tuple[int, ...]:
-    inv = [0] * len(p)
-    for i, d in enumerate(p):
-        inv[d] = i
-    return tuple(inv)
 
 
 def _statistic(x: Tensor) -> bool:
@@ -96,11 +89,11 @@ def unpack(packed: tuple) -> Tensor:
         return packed[1]
     if kind == _MASK:
         _, data, shape, perm, strides = packed
-        out = ops.unpack_mask(data, shape).permute(_inverse(perm))
+        out = ops.unpack_mask(data, shape).permute(inverse_order(perm))
     else:
         _, data, lo, step, shape, dtype, bits, group_size, perm, strides = packed
         out = ops.dequantize_uniform(data, lo, step, shape, bits, group_size,
-                                     dtype).permute(_inverse(perm))
+                                     dtype).permute(inverse_order(perm))
     if strides is not None:  # the same strides and storage offset as the view saved
         stride, offset = strides
         extent = 1 + sum((n - 1) * st for n, st in zip(out.shape, stride))

@@ -41,8 +41,8 @@ from torch import Tensor
 
 from .. import _compile
 from .._compile import eager as _eager
-from .._session import (ZeroCodeClaim, ZeroCodeSlot, current_observer, dense_order, save_probe,
-                        storage_ptr as _storage_ptr)
+from .._session import (ZeroCodeClaim, ZeroCodeSlot, current_observer, dense_order,
+                        inverse_order, save_probe, storage_ptr as _storage_ptr)
 from .._torch_private import (inside_checkpoint, saved_by_checkpoint, tensor_base,
                               tensor_version)
 from ..config import LayerQConfig
@@ -109,13 +109,6 @@ def _sparse(x: Tensor, bits: Bits, group_size: int, rounding: str) -> SparseQuan
     return quantize_sparse(x, bits, group_size, rounding=rounding)
 
 
-def _inverse(p: Sequence[int]) -> Tuple[int, ...]:
-    inv = [0] * len(p)
-    for i, d in enumerate(p):
-        inv[d] = i
-    return tuple(inv)
-
-
 class _Compressed:
     """What autograd keeps for a tier-3 float tensor: the payload and how to lay it out."""
 
@@ -128,7 +121,7 @@ class _Compressed:
         return self.q.tensors()
 
     def restore(self) -> Tensor:
-        return decompress(self.q).permute(_inverse(self.perm))
+        return decompress(self.q).permute(inverse_order(self.perm))
 
 
 class _Mask:
@@ -143,7 +136,7 @@ class _Mask:
         return (self.packed,)
 
     def restore(self) -> Tensor:
-        return unpack_mask(self.packed, self.shape).permute(_inverse(self.perm))
+        return unpack_mask(self.packed, self.shape).permute(inverse_order(self.perm))
 
 
 class _Observed:
@@ -241,9 +234,9 @@ class _Boxed:
             return tensors[0]
         if self.kind == "q":
             cls, spec, perm = self.meta
-            return decompress(cls.rebuild(spec, tuple(tensors))).permute(_inverse(perm))
+            return decompress(cls.rebuild(spec, tuple(tensors))).permute(inverse_order(perm))
         shape, perm = self.meta
-        return unpack_mask(tensors[0], shape).permute(_inverse(perm))
+        return unpack_mask(tensors[0], shape).permute(inverse_order(perm))
 
 
 class CompressedStore:
