@@ -264,9 +264,110 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &actnn_zoo::cpu_isa,
         "The instruction set the CPU kernels' loops run with: 'avx2' or 'baseline' (portable "
         "build, chosen at the first call from the CPU and ACTNN_ZOO_CPU_ISA), 'native'.");
+  // The torch.library operators below are defined by this library's load (quant/ops.py asks).
+  m.attr("has_torch_ops") = py::bool_(true);
 #ifdef ACTNN_ZOO_CUDA
   m.attr("has_cuda") = py::bool_(true);
 #else
   m.attr("has_cuda") = py::bool_(false);
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------
+// The same kernels as torch.library operators (actnn_zoo::quantize_uniform, ...), for graphs
+// that torch.compile traces (actnn_zoo/quant/ops.py adds their fake kernels and, for devices
+// this build has no kernel for, the reference implementation). Registered here, in C++, because
+// an operator implemented in Python pays the dispatcher's trip back into the interpreter and a
+// Python frame on every call: ~15 us per call on a tiny tensor against ~3 us for the kernel,
+// and a compiled step makes two calls per saved tensor. Each checks its arguments as the
+// Python twins did (same messages), then calls the functions the pybind bindings call.
+namespace {
+
+void check_width(const char* op, int64_t bits, int64_t group_size) {
+  TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "actnn_zoo::", op,
+                    ": bits must be 1, 2, 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0, "actnn_zoo::", op,
+                    ": group_size must be a positive multiple of 8, got ", group_size);
+}
+
+// (N, D) of the quantization contract's row view: dim 0 the sample, the rest one row.
+std::pair<int64_t, int64_t> rows_of(at::IntArrayRef shape) {
+  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
+  int64_t d = 1;
+  for (size_t i = 1; i < shape.size(); ++i) d *= shape[i];
+  return {shape[0], d};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_op(
+    const at::Tensor& x, const at::Tensor& seed, int64_t bits, int64_t group_size,
+    bool stochastic) {
+  check_width("quantize_uniform", bits, group_size);
+  TORCH_CHECK_VALUE(x.is_contiguous(), "actnn_zoo::quantize_uniform needs a contiguous tensor");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+                   "actnn_zoo::quantize_uniform: float32/16 or bfloat16, got ", dt);
+  TORCH_CHECK_VALUE(seed.numel() >= 1, "actnn_zoo::quantize_uniform: seed must hold a value");
+  const auto [n, d] = rows_of(x.sizes());
+  if (n * d == 0) {
+    at::Tensor lo = at::empty({n, (d + group_size - 1) / group_size},
+                              x.options().dtype(at::kBFloat16));
+    return {at::empty({0}, x.options().dtype(at::kByte)), lo, at::empty_like(lo)};
+  }
+  // The seed is a CPU scalar drawn in the graph (reading it does not sync a device).
+  const int64_t s = seed.reshape({-1})[0].item<int64_t>() & 0xFFFFFFFFLL;
+  return quantize_uniform(x.view({n, d}), bits, group_size, s, stochastic);
+}
+
+at::Tensor dequantize_uniform_op(const at::Tensor& data, const at::Tensor& lo,
+                                 const at::Tensor& step, at::IntArrayRef shape, int64_t bits,
+                                 int64_t group_size, at::ScalarType dtype) {
+  check_width("dequantize_uniform", bits, group_size);
+  at::Tensor out = at::empty(shape, data.options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  const auto [n, d] = rows_of(out.sizes());
+  dequantize_uniform(data, lo, step, bits, group_size, 0, out.view({n, d}));
+  return out;
+}
+
+at::Tensor pack_mask_op(const at::Tensor& mask) {
+  const at::Tensor flat = mask.reshape({-1}).contiguous();
+  if (flat.numel() == 0) return at::empty({0}, mask.options().dtype(at::kByte));
+  return pack_mask(flat);
+}
+
+at::Tensor unpack_mask_op(const at::Tensor& packed, at::IntArrayRef shape) {
+  int64_t numel = 1;
+  for (const int64_t s : shape) numel *= s;
+  TORCH_CHECK_VALUE(packed.numel() == (numel + 7) / 8, "actnn_zoo::unpack_mask: ",
+                    packed.numel(), " bytes do not hold ", numel, " values");
+  if (numel == 0) return at::empty(shape, packed.options().dtype(at::kBool));
+  return unpack_mask(packed.contiguous(), numel).view(shape);
+}
+
+}  // namespace
+
+// A fragment: actnn_zoo/quant/ops.py adds the fake kernels and the fallback to the namespace.
+TORCH_LIBRARY_FRAGMENT(actnn_zoo, m) {
+  m.def("quantize_uniform(Tensor x, Tensor seed, int bits, int group_size, bool stochastic) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("dequantize_uniform(Tensor data, Tensor lo, Tensor step, SymInt[] shape, int bits, "
+        "int group_size, ScalarType dtype) -> Tensor");
+  m.def("pack_mask(Tensor mask) -> Tensor");
+  m.def("unpack_mask(Tensor packed, SymInt[] shape) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(actnn_zoo, CPU, m) {
+  m.impl("quantize_uniform", &quantize_uniform_op);
+  m.impl("dequantize_uniform", &dequantize_uniform_op);
+  m.impl("pack_mask", &pack_mask_op);
+  m.impl("unpack_mask", &unpack_mask_op);
+}
+
+#ifdef ACTNN_ZOO_CUDA
+TORCH_LIBRARY_IMPL(actnn_zoo, CUDA, m) {
+  m.impl("quantize_uniform", &quantize_uniform_op);
+  m.impl("dequantize_uniform", &dequantize_uniform_op);
+  m.impl("pack_mask", &pack_mask_op);
+  m.impl("unpack_mask", &unpack_mask_op);
+}
+#endif

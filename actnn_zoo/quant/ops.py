@@ -1,12 +1,17 @@
 """The kernels as ``torch.library`` custom operators, for graphs that ``torch.compile`` traces.
 
-Eager code calls the extension directly (:mod:`actnn_zoo.quant.api`): a custom operator's
-dispatch costs microseconds per call (~7 us measured) that a layer would pay on every save. A traced
-graph cannot call an opaque pybind function, so the compiled path
+Eager code calls the extension directly (:mod:`actnn_zoo.quant.api`), which skips the
+dispatcher. A traced graph cannot call an opaque pybind function, so the compiled path
 (:mod:`actnn_zoo.compiled`) calls these instead: each has a schema, a fake (meta) kernel that
-gives the output shapes without running anything, and one implementation for every device
-(the backend chosen by :func:`~actnn_zoo.quant.backend.kernels`). ``tests/test_custom_ops.py``
-checks them with ``torch.library.opcheck``.
+gives the output shapes without running anything, and an implementation per device.
+``tests/test_custom_ops.py`` checks them with ``torch.library.opcheck``.
+
+Where they are defined: the compiled extension defines the schemas and its CPU (and CUDA)
+kernels in C++ when it loads (``cpp_ext/bindings.cpp``): a call then costs the dispatcher and
+the kernel, ~3-5 us on a tiny tensor, where an implementation in Python cost ~15 us (the
+dispatcher's trip back into the interpreter). This module adds the fake kernels and, for a
+device the extension has no kernel for (or no extension at all), an implementation through
+:func:`~actnn_zoo.quant.backend.kernels`, i.e. the pure-torch reference: same results.
 
 The seed is a tensor, not an int: a graph draws it with ``torch.randint`` on every run, so
 each step rounds with new random numbers while the operator itself stays a function of its
@@ -19,13 +24,16 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .backend import kernels
+from .backend import extension, kernels
 
 __all__ = ["quantize_uniform", "dequantize_uniform", "pack_mask", "unpack_mask", "rows_of"]
 
 _NS = "actnn_zoo"
-# the operators' registration: defined once, when this module is imported
-_LIB = torch.library.Library(_NS, "DEF")
+# Loading the extension defines the schemas with its C++ kernels (a fragment of the namespace:
+# this module adds to it, see the module docstring).
+_EXT = extension()
+_DEFINED_IN_CPP = bool(getattr(_EXT, "has_torch_ops", False))
+_LIB = torch.library.Library(_NS, "FRAGMENT")
 
 
 def rows_of(shape: Sequence[int]) -> Tuple[int, int]:
@@ -48,11 +56,13 @@ def _check(bits: int, group_size: int) -> None:
 
 
 def _register(schema: str, impl: Callable, fake: Callable) -> Any:
-    """Define ``actnn_zoo::<name>`` with ``schema``, one implementation for every device and
-    a fake kernel; returns the operator. The low-level ``torch.library.Library`` API rather
-    than ``torch.library.custom_op``: measured 10.7 vs 25-27 us per call on a tiny tensor."""
+    """``actnn_zoo::<name>`` with ``schema`` (unless the extension defined it), ``impl`` for
+    devices without a compiled kernel, and a fake kernel; returns the operator. The low-level
+    ``torch.library.Library`` API: ``torch.library.custom_op`` measured 25-27 us per call."""
     name = schema.split("(", 1)[0]
-    _LIB.define(schema)
+    if not _DEFINED_IN_CPP:
+        _LIB.define(schema)
+    # CompositeExplicitAutograd: every device; a C++ kernel registered for CPU/CUDA wins there.
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{_NS}::{name}", fake, lib=_LIB)
     return getattr(getattr(torch.ops, _NS), name).default
