@@ -9,7 +9,7 @@ attributes, QConv's padding widths come from ``padding`` / ``kernel_size`` / ``d
 from __future__ import annotations
 
 import sys
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -135,6 +135,32 @@ def compiled_saved_output_index() -> Optional[int]:
     if node.target is operator.getitem and isinstance(node.args[1], int):
         return node.args[1]
     return 0
+
+
+def compiled_saved_input_cast() -> bool:
+    """Whether the value being packed is a dtype cast of a graph input (through views only):
+    under autocast, the bfloat16/float16 copy of a weight a matmul saves for the input
+    gradient (or of the model's input). A weight is a weight even when cast: rounding the copy
+    to 2 bits would make the input gradient inexact (cosine 0.8 with a raw Parameter). False
+    outside the hook or where torch does not say."""
+    node = _compiled_saved_node()
+    if node is None:
+        return False
+    node = _through_views(node)
+    casts = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype,
+             torch.ops.prims.convert_element_type.default)
+    if getattr(node, "op", None) != "call_function" or node.target not in casts:
+        return False
+    source = node.args[0] if node.args else None
+    return getattr(_through_views(source), "op", None) == "placeholder"
+
+
+def _through_views(node: Any) -> Any:
+    """The first node up a chain of view ops (t, transpose, permute, view, expand, ...)."""
+    while getattr(node, "op", None) == "call_function" and node.args \
+            and getattr(node.target, "is_view", False):
+        node = node.args[0]
+    return node
 
 
 def compiled_saved_from_float_input() -> Optional[bool]:

@@ -16,9 +16,10 @@ never the model's inputs, parameters or buffers. What each saved tensor becomes:
   (a view with gaps, such as q, k or v sliced from one projection, is copied first and comes
   back as a copy with the same strides);
 * bool with at least ``min_numel`` values (dropout's mask): 1 bit per value;
-* anything else (indices, statistics, small or sparse tensors, and tensors made from no
+* anything else (indices, statistics, small or sparse tensors, tensors made from no
   floating input, such as an additive attention mask of zeros and ``finfo.min``, whose zeros
-  rounding would move): kept as it is.
+  rounding would move, and casts of a graph input, such as autocast's bfloat16 copy of a
+  weight, which the input gradient reads): kept as it is.
 
 Three layers keep their own saving while traced: ReLU a mask packed by the operator
 (:class:`~actnn_zoo.functional.activation.BoolMaskReLU`; its rounded output would move values
@@ -26,9 +27,8 @@ across zero), BatchNorm codes of its normalized input
 (:class:`~actnn_zoo.functional.norm.NormalizedBatchNorm`), MaxPool2d each maximum's window
 position (:class:`~actnn_zoo.functional.pool.WindowCodeMaxPool2d`). What this path does not do: the
 precision strategies' per-layer and per-sample widths (every tensor gets ``bits``; their
-hooks step aside while it traces), tier 2's routing (attention and the loss are whatever the
-traced ops save), and the autocast weight copies, which the graph saves as intermediates, are
-compressed like activations (docs/design.md, "torch.compile").
+hooks step aside while it traces) and tier 2's routing (attention and the loss are whatever the
+traced ops save) (docs/design.md, "torch.compile").
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from ._compile import INLINE_ATTR, InlineSwitch
 from ._session import dense_order, inverse_order
-from ._torch_private import compiled_saved_from_float_input, compiled_saved_output_index
+from ._torch_private import (compiled_saved_from_float_input, compiled_saved_input_cast,
+                             compiled_saved_output_index)
 from .nn._base import QModule
 from .quant import check_bits, check_group_size
 from .quant import ops
@@ -64,7 +65,7 @@ def pack(x: Tensor, bits: int, group_size: int, min_numel: int) -> tuple:
     if x.numel() < min_numel or x.layout != torch.strided \
             or not (x.dtype == torch.bool or x.dtype in _FLOATS) \
             or (x.dtype != torch.bool and _statistic(x)) \
-            or compiled_saved_from_float_input() is False:
+            or compiled_saved_from_float_input() is False or compiled_saved_input_cast():
         return (_RAW, x)
     perm = dense_order(x)
     strides = None
