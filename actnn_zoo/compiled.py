@@ -11,8 +11,8 @@ never the model's inputs, parameters or buffers. What each saved tensor becomes:
 * floating point with at least ``min_numel`` values (default 1024), and not a
   statistic (a secondary output of a multi-output op: a norm's mean and inverse deviation,
   attention's log-sum-exp, which the backward reads exactly): ``actnn_zoo::quantize_uniform``
-  codes at ``bits`` per value, stochastic rounding seeded by a ``torch.randint`` drawn in the
-  graph (new every step), in the tensor's memory order, so the backward gets back its strides
+  codes at ``bits`` per value, stochastic rounding seeded from torch's CPU generator by the
+  operator itself (new every call), in the tensor's memory order, so the backward gets back its strides
   (a view with gaps, such as q, k or v sliced from one projection, is copied first and comes
   back as a copy with the same strides);
 * bool with at least ``min_numel`` values (dropout's mask): 1 bit per value;
@@ -32,6 +32,7 @@ traced ops save) (docs/design.md, "torch.compile").
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -61,8 +62,14 @@ def _statistic(x: Tensor) -> bool:
 
 
 def pack(x: Tensor, bits: int, group_size: int, min_numel: int) -> tuple:
-    """What the forward graph keeps of a saved tensor ``x`` (see the module docstring)."""
-    if x.numel() < min_numel or x.layout != torch.strided \
+    """What the forward graph keeps of a saved tensor ``x`` (see the module docstring).
+
+    Only while AOTAutograd traces it into a graph. Called eagerly -- dynamo ran the model
+    without a graph (its recompile limit reached, a frame it skips) -- it keeps ``x`` as it
+    is: the Q-layers then run their own Functions, which compress, and every other save
+    (parameters included) reaches this hook with none of the graph's facts about it."""
+    if not torch.compiler.is_compiling() or x.numel() < min_numel \
+            or x.layout != torch.strided \
             or not (x.dtype == torch.bool or x.dtype in _FLOATS) \
             or (x.dtype != torch.bool and _statistic(x)) \
             or compiled_saved_from_float_input() is False or compiled_saved_input_cast():
@@ -77,8 +84,7 @@ def pack(x: Tensor, bits: int, group_size: int, min_numel: int) -> tuple:
     shape = [int(s) for s in xp.shape]
     if x.dtype == torch.bool:
         return (_MASK, ops.pack_mask(xp), shape, tuple(perm), strides)
-    seed = torch.randint(0, 2 ** 31 - 1, (1,), dtype=torch.int64)
-    data, lo, step = ops.quantize_uniform(xp, seed, bits, group_size, True)
+    data, lo, step = ops.quantize_uniform(xp, None, bits, group_size, True)
     return (_CODES, data, lo, step, shape, x.dtype, bits, group_size, tuple(perm), strides)
 
 
@@ -108,6 +114,16 @@ def _graph_module(fn: Any, *consts: Any) -> torch.fx.GraphModule:
     g = torch.fx.Graph()
     g.output(g.call_function(fn, (g.placeholder("x"),) + consts))
     return torch.fx.GraphModule(nn.Module(), g)
+
+
+@functools.lru_cache(maxsize=None)
+def _hooks(bits: int, group_size: int, min_numel: int) -> Tuple[torch.fx.GraphModule, ...]:
+    """The (pack, unpack) GraphModules for one setting, made once per process and shared.
+    Why shared: dynamo guards on the identity of the saved-tensor hooks, so hooks made per
+    compiled model recompiled every model of one class, and past dynamo's recompile limit
+    (8) the model silently ran eagerly. Stateless functions of their arguments, like the
+    kernels :func:`~actnn_zoo.quant.backend.kernels` caches."""
+    return _graph_module(pack, bits, group_size, min_numel), _graph_module(unpack)
 
 
 def _settings(model: nn.Module) -> Tuple[int, int]:
@@ -147,8 +163,9 @@ class CompressedCompile(nn.Module):
                              f"again with other widths is not supported")
         # kept out of the module tree: one copy of the model in parameters() and state_dict()
         object.__setattr__(self, "_switch", switch)
-        object.__setattr__(self, "_pack", _graph_module(pack, bits, group_size, min_numel))
-        object.__setattr__(self, "_unpack", _graph_module(unpack))
+        pack_gm, unpack_gm = _hooks(bits, group_size, min_numel)
+        object.__setattr__(self, "_pack", pack_gm)
+        object.__setattr__(self, "_unpack", unpack_gm)
         object.__setattr__(self, "_compiled", torch.compile(module, **compile_kwargs))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -8,9 +8,12 @@
 #include "hadamard.h"
 #include "isa_cpu.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/record_function.h>
 #include <algorithm>
 #include <c10/core/DeviceGuard.h>
+#include <mutex>
 #include <pybind11/stl.h>
 
 namespace py = pybind11;
@@ -298,23 +301,35 @@ std::pair<int64_t, int64_t> rows_of(at::IntArrayRef shape) {
   return {shape[0], d};
 }
 
+// A 31-bit seed from torch's default CPU generator (reproducible under torch.manual_seed), read
+// without a tensor op or a device sync.
+int64_t generator_seed() {
+  auto gen = at::globalContext().defaultGenerator(c10::DeviceType::CPU);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return static_cast<int64_t>(at::check_generator<at::CPUGeneratorImpl>(gen)->random() &
+                              0x7FFFFFFFu);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_op(
-    const at::Tensor& x, const at::Tensor& seed, int64_t bits, int64_t group_size,
-    bool stochastic) {
+    const at::Tensor& x, const std::optional<at::Tensor>& seed, int64_t bits,
+    int64_t group_size, bool stochastic) {
   check_width("quantize_uniform", bits, group_size);
   TORCH_CHECK_VALUE(x.is_contiguous(), "actnn_zoo::quantize_uniform needs a contiguous tensor");
   const auto dt = x.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
                    "actnn_zoo::quantize_uniform: float32/16 or bfloat16, got ", dt);
-  TORCH_CHECK_VALUE(seed.numel() >= 1, "actnn_zoo::quantize_uniform: seed must hold a value");
+  TORCH_CHECK_VALUE(!seed.has_value() || seed->numel() >= 1,
+                    "actnn_zoo::quantize_uniform: seed must hold a value");
   const auto [n, d] = rows_of(x.sizes());
   if (n * d == 0) {
     at::Tensor lo = at::empty({n, (d + group_size - 1) / group_size},
                               x.options().dtype(at::kBFloat16));
     return {at::empty({0}, x.options().dtype(at::kByte)), lo, at::empty_like(lo)};
   }
-  // The seed is a CPU scalar drawn in the graph (reading it does not sync a device).
-  const int64_t s = seed.reshape({-1})[0].item<int64_t>() & 0xFFFFFFFFLL;
+  // None: drawn here, one generator read per call (what a compiled graph passes: no
+  // torch.randint node per saved tensor). A given seed is read as a host scalar.
+  const int64_t s = seed.has_value() ? seed->reshape({-1})[0].item<int64_t>() & 0xFFFFFFFFLL
+                                     : generator_seed();
   return quantize_uniform(x.view({n, d}), bits, group_size, s, stochastic);
 }
 
@@ -348,8 +363,12 @@ at::Tensor unpack_mask_op(const at::Tensor& packed, at::IntArrayRef shape) {
 
 // A fragment: actnn_zoo/quant/ops.py adds the fake kernels and the fallback to the namespace.
 TORCH_LIBRARY_FRAGMENT(actnn_zoo, m) {
-  m.def("quantize_uniform(Tensor x, Tensor seed, int bits, int group_size, bool stochastic) "
-        "-> (Tensor, Tensor, Tensor)");
+  // nondeterministic_seeded: with no seed it draws one, so compilers must not merge or replay it.
+  const char* quantize_schema =
+      "quantize_uniform(Tensor x, Tensor? seed, int bits, int group_size, bool stochastic) "
+      "-> (Tensor, Tensor, Tensor)";
+  const std::vector<at::Tag> seeded{at::Tag::nondeterministic_seeded};
+  m.def(quantize_schema, seeded);
   m.def("dequantize_uniform(Tensor data, Tensor lo, Tensor step, SymInt[] shape, int bits, "
         "int group_size, ScalarType dtype) -> Tensor");
   m.def("pack_mask(Tensor mask) -> Tensor");

@@ -277,3 +277,21 @@ def test_relu_mask_and_pool_positions_are_exact(pool):
     (expect,) = torch.autograd.grad(ref(x).square().sum(), x)
     (got,) = torch.autograd.grad(model(x).square().sum(), x)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_fallback_keeps_gradients_exact():
+    """When dynamo runs the model without a graph (here forced by ``set_stance``; also after
+    its recompile limit or in a frame it skips), the hooks keep every save as it is and the
+    Q-layers compress eagerly. Before, the pack hook rounded whatever reached it (parameters
+    and the eager layers' own saves included), so the input gradient read a rounded weight."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Linear(8 * 25, 16))  # a weight of >= min_numel
+    model = az.compile(az.convert_model(copy.deepcopy(ref), bits=8), backend="aot_eager")
+    x = torch.randn(4, 3, 11, 11, requires_grad=True)
+    expect = torch.autograd.grad(ref(x).square().sum(), [x] + list(ref.parameters()))
+    with torch.compiler.set_stance("force_eager"):
+        got = torch.autograd.grad(model(x).square().sum(), [x] + list(model.parameters()))
+    torch.testing.assert_close(got[0], expect[0], rtol=1e-5, atol=1e-6)
+    for g, e in zip(got[1:], expect[1:]):
+        assert F.cosine_similarity(g.flatten(), e.flatten(), dim=0) > 0.9999

@@ -26,6 +26,8 @@ def test_opcheck_quantize_dequantize(shape, bits):
     x = torch.randn(shape)
     torch.library.opcheck(torch.ops.actnn_zoo.quantize_uniform.default,
                           (x, _seed(3), bits, 64, True))
+    torch.library.opcheck(torch.ops.actnn_zoo.quantize_uniform.default,
+                          (x, None, bits, 64, True))
     data, lo, step = ops.quantize_uniform(x, _seed(3), bits, 64, True)
     torch.library.opcheck(torch.ops.actnn_zoo.dequantize_uniform.default,
                           (data, lo, step, list(shape), bits, 64, torch.float32))
@@ -107,3 +109,24 @@ def test_cpu_calls_stay_in_cpp(monkeypatch):
                        dequantize(q))
     m = x > 0
     assert torch.equal(ops.unpack_mask(ops.pack_mask(m), [3, 40]), m)
+
+
+def test_no_seed_draws_from_torch_generator():
+    """seed=None (what a compiled graph passes): one draw from torch's default CPU generator
+    per call, so torch.manual_seed reproduces it and consecutive calls round differently; the
+    codes are those of an explicit seed (the draw is the only difference)."""
+    x = torch.randn(3, 500)
+    torch.manual_seed(7)
+    a = ops.quantize_uniform(x, None, 2, 64, True)
+    b = ops.quantize_uniform(x, None, 2, 64, True)
+    torch.manual_seed(7)
+    again = ops.quantize_uniform(x, None, 2, 64, True)
+    assert all(torch.equal(p, q) for p, q in zip(a, again))
+    assert not torch.equal(a[0], b[0])
+    assert torch.Tag.nondeterministic_seeded in torch.ops.actnn_zoo.quantize_uniform.default.tags
+    # the same values as some explicit seed's codes would give: unbiased rounding of x
+    mean = sum(ops.dequantize_uniform(*ops.quantize_uniform(x, None, 2, 64, True), [3, 500], 2,
+                                      64, torch.float32) for _ in range(400)) / 400
+    step = a[2].float().repeat_interleave(64, dim=1)[:, :500]
+    # 400 draws: the mean's error per value is at most step / 2 / sqrt(400) in sd; 6 sd bound
+    assert ((mean - x).abs() <= 6 * step / 2 / 20 + 1e-6).all()

@@ -13,13 +13,13 @@ dispatcher's trip back into the interpreter). This module adds the fake kernels 
 device the extension has no kernel for (or no extension at all), an implementation through
 :func:`~actnn_zoo.quant.backend.kernels`, i.e. the pure-torch reference: same results.
 
-The seed is a tensor, not an int: a graph draws it with ``torch.randint`` on every run, so
-each step rounds with new random numbers while the operator itself stays a function of its
-inputs (which opcheck and graph replays need).
+The seed is an optional tensor, not an int: given, the operator is a function of its inputs
+(what opcheck and the tests use); None, it draws one from torch's default CPU generator, so each
+step of a compiled graph rounds with new random numbers at no extra graph node.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -55,20 +55,20 @@ def _check(bits: int, group_size: int) -> None:
                          f"multiple of 8, got {group_size}")
 
 
-def _register(schema: str, impl: Callable, fake: Callable) -> Any:
+def _register(schema: str, impl: Callable, fake: Callable, tags: Tuple = ()) -> Any:
     """``actnn_zoo::<name>`` with ``schema`` (unless the extension defined it), ``impl`` for
     devices without a compiled kernel, and a fake kernel; returns the operator. The low-level
     ``torch.library.Library`` API: ``torch.library.custom_op`` measured 25-27 us per call."""
     name = schema.split("(", 1)[0]
     if not _DEFINED_IN_CPP:
-        _LIB.define(schema)
+        _LIB.define(schema, tags=tags)
     # CompositeExplicitAutograd: every device; a C++ kernel registered for CPU/CUDA wins there.
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{_NS}::{name}", fake, lib=_LIB)
     return getattr(getattr(torch.ops, _NS), name).default
 
 
-def _quantize_uniform(x: Tensor, seed: Tensor, bits: int, group_size: int,
+def _quantize_uniform(x: Tensor, seed: Optional[Tensor], bits: int, group_size: int,
                       stochastic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     _check(bits, group_size)
     if not x.is_contiguous():
@@ -79,13 +79,14 @@ def _quantize_uniform(x: Tensor, seed: Tensor, bits: int, group_size: int,
     if n * d == 0:
         lo = torch.empty(n, -(-d // group_size), dtype=torch.bfloat16, device=x.device)
         return torch.empty(0, dtype=torch.uint8, device=x.device), lo, torch.empty_like(lo)
-    s = int(seed.reshape(-1)[0]) & 0xFFFFFFFF
+    s = (int(seed.reshape(-1)[0]) & 0xFFFFFFFF if seed is not None
+         else int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
     data, lo, step = kernels(x.device).quantize_uniform(x.view(n, d), bits, group_size, s,
                                                          stochastic)
     return data, lo, step
 
 
-def _quantize_uniform_fake(x: Tensor, seed: Tensor, bits: int, group_size: int,
+def _quantize_uniform_fake(x: Tensor, seed: Optional[Tensor], bits: int, group_size: int,
                            stochastic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     _check(bits, group_size)
     n, d = rows_of(x.shape)
@@ -95,12 +96,15 @@ def _quantize_uniform_fake(x: Tensor, seed: Tensor, bits: int, group_size: int,
 
 
 quantize_uniform = _register(
-    "quantize_uniform(Tensor x, Tensor seed, int bits, int group_size, bool stochastic) "
-    "-> (Tensor, Tensor, Tensor)", _quantize_uniform, _quantize_uniform_fake)
+    "quantize_uniform(Tensor x, Tensor? seed, int bits, int group_size, bool stochastic) "
+    "-> (Tensor, Tensor, Tensor)", _quantize_uniform, _quantize_uniform_fake,
+    (torch.Tag.nondeterministic_seeded,))
 quantize_uniform.__doc__ = """(codes, lo, step) of a contiguous float tensor at one width for
 every row: the codes are ``N * ceil(D * bits / 8)`` bytes, ``lo``/``step`` bfloat16
 ``(N, ceil(D / group))``. ``seed``: a one-element integer tensor (its low 32 bits seed the
-rounding)."""
+rounding), or None to draw one from torch's default CPU generator inside the call (what a
+compiled graph passes: no ``torch.randint`` node per saved tensor; the operator is tagged
+``nondeterministic_seeded`` so that compilers neither merge nor replay it)."""
 
 
 def _dequantize_uniform(data: Tensor, lo: Tensor, step: Tensor, shape: List[int], bits: int,
