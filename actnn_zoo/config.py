@@ -770,13 +770,20 @@ def as_config(config: ConfigLike = None, **overrides: Any) -> QuantConfig:
 # the softmax outputs, what the capture tiers save (q, k, v, the attention matmuls' operands)
 # and the inputs of attention's own linears (qkv, output projection) at 4 (19.5 + 21.2 +
 # 21.4%). The actnn strategy spreads what remains over the MLP, the norms and the GELU (about
-# 2.5 bits). 1000 steps: +0.83% on seed 0 at 10.5x; without the attention linears +1.75%
-# (2 seeds). The realised average over every compressed value, capture tier 3 included,
-# stays within the budget (``ActNNStrategy`` counts tier 3's values at their width).
-TRANSFORMER_BITS = 3.25
+# 2.5 bits). 1000 steps: +0.83/+1.44/+1.44% (seeds 0/1/2) at 10.5x; without the attention
+# linears +1.75% (2 seeds). Then a gradient-error probe per parameter (after 900 fp32 steps;
+# Adam scales each parameter by its own gradient, so each one's relative error matters) found
+# the norms' weights worst (relative error 0.50-0.71: their inputs were left to the strategy)
+# and the head at 8 bits poor value (0.004 of the error for 512 bits a token): norms' inputs
+# and the head's at 4, the budget raised to what 10x allows, 3.375 bits: +0.63/+0.85/+1.18% at
+# 10.1x. The realised average over every compressed value, capture tier 3 included, stays
+# within the budget (``ActNNStrategy`` counts tier 3's values at their width).
+TRANSFORMER_BITS = 3.375
 TRANSFORMER_CAPTURE_BITS = 4
 TRANSFORMER_SOFTMAX_BITS = 4
-TRANSFORMER_HEAD_BITS = 8
+TRANSFORMER_HEAD_BITS = 4
+# the inputs of LayerNorm / RMSNorm modules (0: left to the strategy)
+TRANSFORMER_NORM_BITS = 4
 # the linears inside attention modules (q/k/v and output projections; 0: left to the strategy)
 TRANSFORMER_ATTENTION_LINEAR_BITS = 4
 # keys of convert_model's overrides that mean "I chose the budget / allocation myself": with
@@ -822,6 +829,14 @@ def _attention_linears(model: Any) -> List[str]:
     return names
 
 
+def _norms(model: Any) -> List[str]:
+    """Names of the LayerNorm / RMSNorm modules (torch's, Hugging Face's ``LlamaRMSNorm``
+    and the like, or Q-layers of them), by class name."""
+    return [name for name, module in model.named_modules()
+            if name and any(c.__name__.endswith(("LayerNorm", "RMSNorm"))
+                            for c in _module_classes(module))]
+
+
 def _last_linear(model: Any) -> Optional[str]:
     """The name of the last ``nn.Linear`` (or Q-layer of one) registered in ``model``: the
     output head of a language model or classifier (``lm_head``, ``head``,
@@ -840,9 +855,9 @@ def default_config(model: Any = None, **overrides: Any) -> QuantConfig:
 
     Models without attention (CNNs, MLPs): :class:`QuantConfig`'s defaults, the ``actnn``
     strategy at a 2-bit average. Models with attention (:func:`has_attention`): ``actnn`` at a
-    ``TRANSFORMER_BITS`` (3.25-bit) average with the output head's input (the last Linear) at 8
-    bits, softmax modules, the linears inside attention modules and the capture tiers at 4;
-    the other layers share what remains of the budget. ``overrides`` apply on top; when they set ``bits``, ``strategy``,
+    ``TRANSFORMER_BITS`` (3.375-bit) average with softmax modules, the linears inside
+    attention modules, the norms, the output head (the last Linear) and the capture tiers at
+    4 bits; the other layers (the MLPs, activations) share what remains of the budget. ``overrides`` apply on top; when they set ``bits``, ``strategy``,
     ``capture_bits``, ``rules`` or ``enabled`` the user has chosen the allocation and the
     plain defaults apply (a budget the user sets is the whole budget, never raised).
     """
@@ -854,6 +869,9 @@ def default_config(model: Any = None, **overrides: Any) -> QuantConfig:
     attention = _attention_linears(model) if TRANSFORMER_ATTENTION_LINEAR_BITS else []
     if attention:
         rules.append(Rule(name=tuple(attention), bits=TRANSFORMER_ATTENTION_LINEAR_BITS))
+    norms = _norms(model) if TRANSFORMER_NORM_BITS else []
+    if norms:
+        rules.append(Rule(name=tuple(norms), bits=TRANSFORMER_NORM_BITS))
     head = _last_linear(model)
     if head is not None and head not in attention:
         rules.append(Rule(name=(head,), bits=TRANSFORMER_HEAD_BITS))

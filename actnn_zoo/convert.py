@@ -307,7 +307,7 @@ def convert_model(model: nn.Module, config: ConfigLike = None, *,
         model = az.convert_model(model, strategy="gact", bits=3)
 
     ``config``: None (defaults: ``strategy: actnn``, 2 bits on average; for a model with
-    attention 3.25 bits, the head's input at 8 and attention's tensors at 4, see
+    attention 3.375 bits, attention's tensors, the norms and the head at 4, see
     :func:`actnn_zoo.config.default_config`), the name of a config
     shipped with the package (``"4bit"``; :func:`actnn_zoo.config.shipped_configs`), a YAML
     path, a dict or a :class:`QuantConfig`; ``overrides`` (``bits=4``, ...) apply on top.

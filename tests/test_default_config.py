@@ -62,20 +62,22 @@ def test_attention_models_get_the_transformer_default():
     model = small_transformer()
     assert has_attention(model) and has_attention(MHA())
     cfg = default_config(model)
-    assert cfg.bits == TRANSFORMER_BITS == 3.25 and cfg.strategy == "actnn"
+    assert cfg.bits == TRANSFORMER_BITS == 3.375 and cfg.strategy == "actnn"
     assert cfg.capture_bits == 4
     attention = tuple(f"blocks.{i}.attn.{n}" for i in (0, 1) for n in ("qkv", "proj"))
+    norms = tuple(f"blocks.{i}.{n}" for i in (0, 1) for n in ("ln1", "ln2")) + ("ln_f",)
     assert cfg.rules == (Rule(type=("Softmax",), bits=4), Rule(name=attention, bits=4),
-                         Rule(name=("head",), bits=8))
+                         Rule(name=norms, bits=4), Rule(name=("head",), bits=4))
     # no Softmax module: no softmax rule (a rule that matched nothing would warn); the
     # MultiheadAttention's out_proj is a Linear inside attention
     assert default_config(MHA()).rules == (Rule(name=("attn.out_proj",), bits=4),
-                                           Rule(name=("fc",), bits=8))
+                                           Rule(name=("norm",), bits=4),
+                                           Rule(name=("fc",), bits=4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no unmatched-rule warning from the default
         converted = az.convert_model(model)
     assert converted.actnn_zoo_report.config == cfg
-    assert converted.head.qconfig.bits == 8
+    assert converted.head.qconfig.bits == converted.ln_f.qconfig.bits == 4
     assert converted.blocks[0].attn.softmax.qconfig.bits == 4
     assert converted.blocks[1].attn.qkv.qconfig.bits == converted.blocks[1].attn.proj.qconfig.bits == 4
     assert converted.blocks[1].mlp[0].qconfig.bits == 2  # free: the strategy's (<= budget)
@@ -132,7 +134,7 @@ def test_realised_average_with_capture_tiers_stays_within_the_budget(monkeypatch
 
 
 def test_the_measured_config_is_the_default_on_the_text_transformer():
-    """scripts/default_fidelity.py's 1000-step runs of 't3.25_attnlin4' (patterns) measure the
+    """scripts/default_fidelity.py's 1000-step runs of 't3.375_ln4_head4' (types, patterns) measure the
     default: on the demo's transformer it pins the same layers at the same widths, with the
     same budget and tier width; every candidate there is a valid config."""
     import sys
@@ -147,7 +149,7 @@ def test_the_measured_config_is_the_default_on_the_text_transformer():
         if isinstance(cfg, dict):
             as_config(cfg)
     model = CharTransformer()  # the demo's sizes but the vocabulary
-    measured = as_config(default_fidelity.CANDIDATES["t3.25_attnlin4"])
+    measured = as_config(default_fidelity.CANDIDATES["t3.375_ln4_head4"])
     default = default_config(model)
     assert (measured.bits, measured.capture_bits, measured.strategy) == (
         default.bits, default.capture_bits, default.strategy)
