@@ -12,6 +12,9 @@ measured in this process on the same device:
 * ``2-bit default``: ``convert_model(model)`` (auto precision, a 2-bit average).
 * ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) per residual block (ResNet-50) or
   per transformer block (GPT-2, through ``transformers``' own switch).
+* on request (``--modes "compiled fp32" "compiled default"``): ``torch.compile`` of the plain
+  model, and ``actnn_zoo.compile`` of ``convert_model(model)`` (inductor); no saved-bytes
+  report for them (the graph saves what the hooks never see); their step peak says it.
 
 For each: saved-activation bytes of one training forward plus the loss (after the warm-up
 steps, so auto precision has applied its first allocation), the step's peak memory over what
@@ -48,6 +51,9 @@ from actnn_zoo.memory import saved_activation_bytes  # noqa: E402
 
 MiB = 2 ** 20
 MODES = ("fp32", "2-bit uniform", "2-bit default", "checkpoint")
+# Asked for by name (--modes): each compiles for minutes, and their saves happen inside the
+# graph, where the saved-bytes hooks do not see them (the step's peak does).
+COMPILED_MODES = ("compiled fp32", "compiled default")
 FLOAT_DTYPES = ("float32", "float16", "float64")
 
 
@@ -145,6 +151,10 @@ class Workload:
             model = az.convert_model(model)
         elif mode == "checkpoint":
             model = (_resnet_checkpoint if self.name == "resnet50" else _gpt2_checkpoint)(model)
+        elif mode == "compiled fp32":
+            model = torch.compile(model)
+        elif mode == "compiled default":
+            model = az.compile(az.convert_model(model))
         return model
 
     def batch(self, n: int, device: torch.device) -> Tuple[Tensor, Tensor]:
@@ -302,7 +312,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> Dict
             for _ in range(3):  # auto precision solves at step 2 and applies at step 3
                 tr.step(x, y)
             _sync(device)
-            entry: Dict[str, Any] = {"saved": saved_report(tr, n)}
+            entry: Dict[str, Any] = {
+                "saved": None if mode in COMPILED_MODES else saved_report(tr, n)}
             peak = step_peak(tr, n)
             entry["peak_mib"] = None if peak is None else peak / MiB
             trainers[mode] = tr
@@ -362,10 +373,11 @@ def table(res: Dict[str, Any]) -> str:
         if "error" in e:
             lines.append(f"| {mode} | failed: {e['error'][:120]} |||||||||")
             continue
-        saved = e["saved"]["mib"]
+        saved = (e.get("saved") or {}).get("mib")
         mb = (e.get("max_batch") or {}).get("batch")
         lines.append(
-            f"| {mode} | {saved:.1f} | {ratio(fp_saved, saved)} | "
+            f"| {mode} | {'-' if saved is None else f'{saved:.1f}'} | "
+            f"{ratio(fp_saved, saved)} | "
             f"{e.get('peak_mib') or float('nan'):.0f} | {ratio(fp_peak, e.get('peak_mib'))} | "
             f"{e.get('step_ms', float('nan')):.1f} | {ratio(e.get('step_ms'), fp_ms)} | "
             f"{e.get('throughput', float('nan')):.1f} | {mb if mb else '-'} | "
@@ -390,7 +402,7 @@ def _kv(text: str, cast: Callable[[str], Any]) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["resnet50", "gpt2"])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + COMPILED_MODES)
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch", type=lambda s: _kv(s, int), default={},
                    help="per model batch for saved/peak/time, e.g. resnet50=64,gpt2=4")
