@@ -86,8 +86,12 @@ class QModule:
                 and not inline_compiling(self))
 
     def bits_for(self, x: Tensor) -> Bits:
-        """The width(s) for input ``x``: per-sample widths when they fit its batch, else bits."""
-        sb = self.sample_bits
+        """The width(s) for input ``x``: per-sample widths when they fit its batch, else bits.
+
+        Under a precision strategy the widths are this thread's (``precision.base``,
+        ThreadWidths): another thread running the same layer sets its own, for its batch."""
+        slot = self.__dict__.get("_az_thread_bits")  # precision.base.WIDTHS_ATTR
+        sb = self.sample_bits if slot is None else slot.bits
         if sb is not None and x.dim() > 1 and sb.shape[0] == x.shape[0]:
             return sb
         return self.qconfig.bits

@@ -30,6 +30,11 @@ on the device over the last ``min(10, update_interval)`` steps of every ``update
 the step after such a window computes all widths on the device and sends them to the host
 with one non-blocking copy (``readback.DeferredRead``); the step after that applies them.
 Nothing reads the device per step. Until the first update every layer uses the config's width.
+
+Threads running one model (``base``'s module doc): each root training forward takes its step
+number and whether it records from the root's pre-hook (kept per thread); the sums, sizes and
+widths change under the strategy's lock, and a layer's widths reach its forward through the
+thread's slot (``stats.set_width``).
 """
 from __future__ import annotations
 
@@ -77,6 +82,7 @@ class _Layer:
         self.sums = None
 
     def _add(self, slot: int, value: Union[Tensor, float]) -> None:
+        """Add to the window's sums (under the strategy's lock)."""
         if self.sums is None:
             dev = value.device if isinstance(value, Tensor) else self.module_device()
             self.sums = torch.zeros(4, dtype=torch.float64, device=dev)
@@ -90,47 +96,69 @@ class _Layer:
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Tuple) -> None:
+        s = self.strategy
+        running = s.running()
+        running.pop(self, None)
         self.recording = False
         x = args[0] if args else None
         if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
             return
         if x.numel() == 0 or not self.kind.compresses(module, x):
-            self.stats.samples = self.stats.numel = 0
+            with s.lock:
+                self.stats.samples = self.stats.numel = 0
             return
         rows = self.kind.batched(module, x)
         if rows.dim() <= 1:
             return
         n = rows.shape[0]
-        step = self.strategy.step
-        count_call(self.stats, step != self._counted, n, rows.numel() // n)
-        self._counted = step
-        if self.strategy.recording and self.pinned_bits is None:
-            self.recording = True
+        # this thread's root forward: (step, recording); outside one (a checkpoint's
+        # recomputation on the autograd engine's thread) the last step's
+        step, recording = s.local.forward or (s.step, s.recording)
+        record = recording and self.pinned_bits is None
+        if record:
             with torch.no_grad():
                 saved = self.kind.saved(module, rows)
                 r = range_statistic(saved, module.qconfig.group_size)  # type: ignore[attr-defined]
-                self._add(2, r.sum())
-                self._add(3, float(saved.numel()))
-                self.fan = 4.0 * self.kind.fan(module, rows) if self.kind.modelled else 1.0
+                r_sum, values = r.sum(), float(saved.numel())
+            fan = 4.0 * self.kind.fan(module, rows) if self.kind.modelled else 1.0
             if not self.kind.modelled and x.requires_grad:
                 x.register_hook(self.input_grad)
-        if self.pinned_bits is not None:
-            return
-        self._full = set_width(module, self.stats, self.width, n, x.device, self._full)
+        with s.lock:
+            count_call(self.stats, step != self._counted, n, rows.numel() // n)
+            self._counted = step
+            if record:
+                self.recording = True
+                self._add(2, r_sum)
+                self._add(3, values)
+                self.fan = fan
+            if self.pinned_bits is None:
+                self._full = set_width(module, self.stats, self.width, n, x.device, self._full)
+        if record:
+            running[self] = True
 
     def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
-        if self.recording and isinstance(output, Tensor) and output.requires_grad:
+        running = self.strategy.local.running
+        if running and running.pop(self, None) and isinstance(output, Tensor) \
+                and output.requires_grad:
             output.register_hook(self.output_grad)
 
     def output_grad(self, grad: Tensor) -> None:
-        self._add(1, _sq(grad))
+        sq = _sq(grad)
+        with self.strategy.lock:
+            self._add(1, sq)
 
     def input_grad(self, grad: Tensor) -> None:
-        self._add(0, _sq(grad))
+        sq = _sq(grad)
+        with self.strategy.lock:
+            self._add(0, sq)
 
     def weight_grad(self, grad: Tensor) -> None:
+        """Counted when the layer's last call recorded (a Parameter's hook cannot tell which
+        forward its gradient is of; with threads that is the last call of any thread)."""
         if self.recording:
-            self._add(0, _sq(grad))
+            sq = _sq(grad)
+            with self.strategy.lock:
+                self._add(0, sq)
 
     # -- the bound ------------------------------------------------------------------------
     def widths_index(self, e: float, levels: Tensor) -> Optional[Tensor]:
@@ -172,6 +200,7 @@ class ACGCStrategy(PrecisionStrategy):
             w = _Layer(self, tl, kind)
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
+            self.own_widths(tl.module)
             self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
             self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
             weight = getattr(tl.module, "weight", None)
@@ -193,18 +222,21 @@ class ACGCStrategy(PrecisionStrategy):
         record statistics on the window's steps."""
         if not (model.training and torch.is_grad_enabled()):
             return
-        self.step += 1
-        if self._pending is not None:
-            self._apply(*self._pending)
-            self._pending = None
         k = self.update_interval
-        if self.step > 1 and (self.step - 1) % k == 0:  # a window ended with the last step
-            self.compute()
-        self.recording = (self.step - 1) % k >= k - self.window
+        with self.lock:  # threads running this model count their steps in one sequence
+            self.step += 1
+            step = self.step
+            if self._pending is not None:
+                self._apply(*self._pending)
+                self._pending = None
+            if step > 1 and (step - 1) % k == 0:  # a window ended with the last step
+                self.compute()
+            recording = self.recording = (step - 1) % k >= k - self.window
+        self.local.forward = (step, recording)
 
     def compute(self) -> None:
         """Widths of every free layer from the window's sums (on the device), sent to the host
-        with one non-blocking copy; the sums restart."""
+        with one non-blocking copy; the sums restart. Under the lock."""
         ready, idx = [], []
         for w in self.watched:
             if w.pinned_bits is not None:

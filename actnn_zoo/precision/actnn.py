@@ -57,6 +57,13 @@ hook is a bound method of an object owned by this strategy, so ``copy.deepcopy(m
 an independent copy. A forward hook on the root (``always_call``) marks the end of its
 forward. State lives on the strategy (``model.actnn_zoo_precision``) and on the layers
 (``module.precision_stats``); none is global.
+
+Threads running one model (``base``'s module doc): each root training forward is a step of
+its own (:class:`_Forward`, kept per thread), a layer's pre-hook hands its forward the widths
+of its own batch through the thread's slot, and a layer's record of the step (its calls and
+``stats``) changes only under the strategy's lock, as a whole: a call of another step starts
+the record afresh, so it always holds the calls of one forward and the re-allocation (under
+the same lock) reads rows, widths and gradients that belong together.
 """
 from __future__ import annotations
 
@@ -71,7 +78,7 @@ from torch import Tensor, nn
 from .._compile import EagerHook
 from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
-from .base import PrecisionStrategy, TrackedLayer
+from .base import PrecisionStrategy, TrackedLayer, set_sample_bits
 from .readback import DeferredRead
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
 from .stats import LayerKind, LayerStats, layer_kind, range_statistic, sample_grad_sq
@@ -86,6 +93,18 @@ def _stack(parts: List[Optional[Tensor]]) -> Optional[Tensor]:
     if not parts or any(p is None for p in parts):
         return None
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+
+
+class _Forward:
+    """One root training forward, on the thread running it: its step number and whether its
+    output gradients are recorded (for the next re-allocation). A plain class: one is made
+    per forward, and a dataclass's ``__init__`` costs more."""
+
+    __slots__ = ("step", "record_grads")
+
+    def __init__(self, step: int, record_grads: bool) -> None:
+        self.step = step
+        self.record_grads = record_grads
 
 
 @dataclass
@@ -112,82 +131,102 @@ class _Watched:
         self.pinned_bits = pinned_bits
         self.stats = LayerStats()
         self.budget: float = strategy.budget  # average width for the next forwards
-        self.active = False  # this forward compressed with widths chosen here
         self.fan = 1.0  # op factor x values per sample, from the last forward's shapes
         # gamma of the within-layer sensitivity model E[C_n | R_n] ~ R_n ** gamma (None: 1)
         self.exponent: Optional[Tensor] = None
-        self.calls: List[_Call] = []  # this step's recorded calls, in call order
-        self._call: Optional[_Call] = None  # the call now running, when recorded
-        self._step = -1  # the root step self.calls belong to
+        # the step's recorded calls, in call order, and the root step they belong to (both
+        # changed under the strategy's lock, with ``stats``)
+        self.calls: List[_Call] = []
+        self._step = -1
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Tuple) -> None:
         """Before the layer runs: record sizes; choose this batch's per-sample widths."""
-        self.active = False
-        self._call = None
         x = args[0] if args else None
         if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
             # eval / no_grad: nothing is compressed; keep the last training statistics
             if self.pinned_bits is None:
-                module.sample_bits = None  # type: ignore[attr-defined]
+                set_sample_bits(module, None)
             return
-        if self.strategy.in_forward and self._step != self.strategy.step:
-            self._new_step()
+        # this thread's root training forward; None outside it (a checkpoint's recomputation
+        # in backward is not counted again)
+        fw: Optional[_Forward] = self.strategy.local.forward
         with torch.no_grad():  # statistics are not part of the model's graph
-            self._choose(module, x)
+            call = self._choose(module, x, fw)
+        if call is not None and fw is not None and fw.record_grads:
+            # post_hook has its output gradient measured (an entry a forward that raised
+            # left behind is of an older step: grad_hook ignores it)
+            self.strategy.running()[self] = call
 
-    def _new_step(self) -> None:
+    def _new_step(self, fw: _Forward) -> None:
         """The first call in a root training forward: this step's totals start from zero
         (the re-allocation has read the last step's in the root's pre-hook already). The last
-        recorded gradients are kept unless this step records new ones."""
-        self._step = self.strategy.step
+        recorded gradients are kept unless this step records new ones. Under the lock."""
+        self._step = fw.step
         self.calls = []
         self.stats.samples = self.stats.numel = self.stats.values = self.stats.calls = 0
         self.stats.bits = None
-        if self.strategy.record_grads:  # this step's gradients replace the last recorded ones
+        if fw.record_grads:  # this step's gradients replace the last recorded ones
             self.stats.sample_grad_sq = self.stats.grad_sq = None
 
-    def _choose(self, module: nn.Module, x: Tensor) -> None:
-        if x.numel() == 0 or not self.kind.compresses(module, x):
-            self._clear(module)
+    def _record(self, fw: Optional[_Forward], call: Optional[_Call],
+                fan: Optional[float] = None) -> None:
+        """Add ``call`` to the step's record (a call of another step starts it afresh) and
+        summarise, under the lock: the re-allocation never sees half of it."""
+        if fw is None:
             return
+        with self.strategy.lock:
+            if self._step != fw.step:
+                self._new_step(fw)
+            if call is not None:
+                self.calls.append(call)
+            if fan is not None:
+                self.fan = fan
+            self._summarise()
+
+    def _choose(self, module: nn.Module, x: Tensor, fw: Optional[_Forward]) -> Optional[_Call]:
+        """Set this call's widths (this thread's); returns the recorded call whose output
+        gradient the step wants, else None."""
+        if x.numel() == 0 or not self.kind.compresses(module, x):
+            self._record(fw, None)
+            self._clear(module)
+            return None
         rows = self.kind.batched(module, x)
         if rows.dim() <= 1:  # one row; the layer uses qconfig.bits (<= the budget)
+            self._record(fw, None)
             self._clear(module)
-            return
+            return None
         n = rows.shape[0]
-        call = None
-        if self.strategy.in_forward:  # a checkpoint's recomputation is not counted again
-            call = self._call = _Call(self._step, n, rows.numel() // n)
-            self.calls.append(call)
+        # recorded in the root's training forward only
+        call = _Call(fw.step, n, rows.numel() // n) if fw is not None else None
         if self.pinned_bits is not None:
-            self._summarise()
-            return
+            self._record(fw, call)
+            return None
         budget = self.budget
         if not self.kind.modelled and budget in _LADDER:
             # No sensitivity model, and the plain budget is a width: every sample gets it.
             width = int(budget)
             if width == module.qconfig.bits:  # type: ignore[attr-defined]
-                module.sample_bits = None  # type: ignore[attr-defined]
+                set_sample_bits(module, None)
             else:
                 full = torch.full((n,), width, dtype=torch.uint8, device=x.device)
-                module.sample_bits = SampleBits(full, width * n)  # type: ignore[attr-defined]
+                set_sample_bits(module, SampleBits(full, width * n))
                 if call is not None:
                     call.bits = full
-            self._summarise()
-            return
-        self.fan = self.kind.fan(module, rows)
+            self._record(fw, call)
+            return None
+        fan = self.kind.fan(module, rows)
         score = range_statistic(self.kind.saved(module, rows),
                                 module.qconfig.group_size)  # type: ignore[attr-defined]
-        expected = score if self.exponent is None else score.pow(self.exponent)
+        exponent = self.exponent
+        expected = score if exponent is None else score.pow(exponent)
         extra = extra_bits(budget, n)  # host number: budget is a host float
         bits = allocate_samples(expected, budget, self.strategy.table(score.device), extra)
         if call is not None:
             call.range_sq, call.bits = score, bits
-        self._summarise()
-        # plain attribute (not a buffer): skip nn.Module.__setattr__'s bookkeeping
-        object.__setattr__(module, "sample_bits", SampleBits(bits, n + int(extra)))
-        self.active = True
+        self._record(fw, call, fan)
+        set_sample_bits(module, SampleBits(bits, n + int(extra)))
+        return call
 
     def _summarise(self) -> None:
         """``stats`` = this step's calls together (rows stacked in call order). One call: its
@@ -204,25 +243,29 @@ class _Watched:
 
     def post_hook(self, module: nn.Module, args: Tuple, output: object) -> None:
         """After the layer runs: have the output's gradient measured, when it will be read."""
-        if (self.active and self._call is not None and self.strategy.record_grads
-                and isinstance(output, Tensor) and output.requires_grad):
-            output.register_hook(partial(self.grad_hook, self._call))
-        self._call = None
+        running = self.strategy.local.running
+        call = running.pop(self, None) if running else None
+        if call is not None and isinstance(output, Tensor) and output.requires_grad:
+            output.register_hook(partial(self.grad_hook, call))
 
     def grad_hook(self, call: _Call, grad: Tensor) -> None:
         """One call's output gradient; once every call of the step has one, the layer's."""
-        if call.step != self._step or not any(c is call for c in self.calls):
+        if call.step != self._step:
             return  # a gradient of an earlier step (a retained graph run again)
-        call.grad_sq = sample_grad_sq(grad, call.samples)
-        per_sample = _stack([c.grad_sq for c in self.calls])
-        if per_sample is not None:
-            self.stats.sample_grad_sq = per_sample
-            self.stats.grad_sq = per_sample.mean()
+        grad_sq = sample_grad_sq(grad, call.samples)
+        with self.strategy.lock:
+            if call.step != self._step or not any(c is call for c in self.calls):
+                return  # or of a step another thread's forward has replaced since
+            call.grad_sq = grad_sq
+            per_sample = _stack([c.grad_sq for c in self.calls])
+            if per_sample is not None:
+                self.stats.sample_grad_sq = per_sample
+                self.stats.grad_sq = per_sample.mean()
 
     def _clear(self, module: nn.Module) -> None:
         """A call that compresses nothing: neither widths nor a recorded call."""
         if self.pinned_bits is None:
-            module.sample_bits = None  # type: ignore[attr-defined]
+            set_sample_bits(module, None)
 
     def row_weights(self, device: torch.device) -> Tensor:
         """(stats.samples,) float64: the values each recorded row saved (its call's numel)."""
@@ -273,8 +316,9 @@ class ActNNStrategy(PrecisionStrategy):
         self.update_interval = int(config.update_interval)
         self.step = 0  # training forwards of the model root seen so far
         self.updates = 0  # re-allocations applied so far
+        # whether the last root training forward recorded its gradients (each thread's own
+        # forward decides for itself: ``local.forward``)
         self.record_grads = True
-        self.in_forward = False  # the root's training forward is running (its calls count)
         # a re-allocation on its way to the host: (budget of the free layers, the layers of
         # the joint solve, their widths to read at the next step)
         self._pending: Optional[Tuple[float, List[_Watched], Optional[DeferredRead]]] = None
@@ -301,6 +345,7 @@ class ActNNStrategy(PrecisionStrategy):
             w = _Watched(self, tl.name, tl.module, kind, tl.pinned_bits)
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
+            self.own_widths(tl.module)
             self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
             if tl.pinned_bits is None:
                 self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
@@ -324,20 +369,28 @@ class ActNNStrategy(PrecisionStrategy):
         gradient statistics on the steps before those."""
         if not (model.training and torch.is_grad_enabled()):
             return
-        self.in_forward = True
-        self.step += 1
-        if self._pending is not None:
-            self._apply(*self._pending)
-            self._pending = None
         k = self.update_interval
-        if self.step == 2 or (self.step > 1 and (self.step - 1) % k == 0):
-            self.reallocate()
-        self.record_grads = self.step == 1 or self.step % k == 0
+        with self.lock:  # threads running this model count their steps in one sequence
+            self.step += 1
+            step = self.step
+            if self._pending is not None:
+                self._apply(*self._pending)
+                self._pending = None
+            if step == 2 or (step > 1 and (step - 1) % k == 0):
+                self.reallocate()
+            record = self.record_grads = step == 1 or step % k == 0
+        self.local.forward = _Forward(step, record)
 
     def on_model_forward_end(self, model: nn.Module, args: Tuple, output: object) -> None:
-        """The root's forward is over (also when it raised): later layer calls, such as a
-        checkpoint's recomputation in backward, are not counted as more saved tensors."""
-        self.in_forward = False
+        """The root's forward is over (also when it raised): later layer calls on this thread,
+        such as a checkpoint's recomputation in backward, are not counted as more saved
+        tensors."""
+        self.local.forward = None
+
+    @property
+    def in_forward(self) -> bool:
+        """A root training forward is running on this thread (its layer calls count)."""
+        return self.local.forward is not None
 
     def _capture_load(self) -> Tuple[float, int]:
         """(values, width) the capture tiers compressed in the root's last captured forward;
@@ -351,7 +404,7 @@ class ActNNStrategy(PrecisionStrategy):
 
     def reallocate(self) -> None:
         """Per-layer average widths from the statistics of the last forward / backward; they
-        apply from the next training step (:meth:`on_model_forward`)."""
+        apply from the next training step (:meth:`on_model_forward`). Under the lock."""
         # every call of a layer saved its own tensor: stats.values counts them all
         seen = [w for w in self.watched if w.stats.values > 0]
         free = [w for w in seen if w.pinned_bits is None]

@@ -7,22 +7,76 @@ register hooks on the model and its Q-layers, keeps all its state on itself and 
 widths the layer's next training forward passes to its Function) or, for one width per layer
 (gact), the layer's ``qconfig.bits``, which it restores when detached. Layers and Functions do not
 know which strategy runs, so new strategies (GACT, AC-GC, DIVISION) plug in here.
+
+Threads. Several threads may run one converted model at once (``nn.DataParallel``'s replicas
+share the modules' state, or a user's own threads). What a strategy hands a layer for one
+forward (the widths made for that forward's batch) is therefore kept per thread: it sets them
+with :func:`set_sample_bits`, which writes the layer's ``sample_bits`` (the last widths, for
+reports) and this thread's slot (:class:`ThreadWidths`), the only one ``QModule.bits_for``
+reads while a strategy is attached. A pre-hook and the forward it prepares run on one thread,
+so a forward always uses its own widths. What a strategy accumulates across steps is shared
+by the threads and changed only under the strategy's lock (:attr:`PrecisionStrategy.lock`,
+one per model); the root's per-forward flags (its step, whether it records) are per thread.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Union
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from ..config import QuantConfig
     from ..nn._base import QModule
 
-__all__ = ["TrackedLayer", "PrecisionStrategy", "UniformStrategy", "PRECISION_ATTR"]
+__all__ = ["TrackedLayer", "PrecisionStrategy", "UniformStrategy", "PRECISION_ATTR",
+           "WIDTHS_ATTR", "ThreadWidths", "ThreadState", "set_sample_bits"]
 
 PRECISION_ATTR = "actnn_zoo_precision"
+# the Q-layer attribute holding a strategy's per-thread widths (QModule.bits_for reads it)
+WIDTHS_ATTR = "_az_thread_bits"
+
+
+class ThreadWidths(threading.local):
+    """One Q-layer's per-sample widths for the forward each thread runs (``bits``: a
+    :class:`~actnn_zoo.quant.SampleBits`, a tensor or None; None in a thread that set none).
+
+    Two threads running one model call the same layer: widths in the layer's ``sample_bits``
+    alone could be overwritten by the other thread between a pre-hook and the forward it
+    prepared (a batch of 32 then met widths made for 64 samples, or for other samples of the
+    same size). ``copy.deepcopy`` and pickle give an empty slot: widths belong to a forward.
+    """
+
+    bits: Union[Tensor, Any, None] = None  # class default: what a new thread sees
+
+    def __reduce__(self):
+        return (type(self), ())
+
+
+class ThreadState(threading.local):
+    """A strategy's state of the forward running on one thread. Class attributes are the
+    defaults a thread sees before it sets its own (reading them raises nothing, which a
+    plain ``threading.local`` with ``getattr(..., default)`` would do, at about 0.5 us)."""
+
+    forward: Any = None  # the root training forward running on this thread (per strategy)
+    step: Optional[int] = None  # its step number
+    running: Optional[Dict[Any, Any]] = None  # see PrecisionStrategy.running
+    counted: Optional[List[bool]] = None  # root forwards open on this thread: counted or not
+    rec: Any = None  # a recording this thread's forward makes (gact)
+    probe_pass: bool = False  # this thread runs a probe's passes (gact)
+    streams: Optional[List[Any]] = None  # seed streams this thread opened (gact)
+
+
+def set_sample_bits(module: nn.Module, bits: Union[Tensor, Any, None]) -> None:
+    """Hand ``module``'s forward now running on this thread ``bits`` (None: its qconfig's
+    width): this thread's slot, and ``module.sample_bits`` (what the last forward of any
+    thread got, for reports and tests). Plain attributes, no ``nn.Module.__setattr__``."""
+    object.__setattr__(module, "sample_bits", bits)
+    slot = module.__dict__.get(WIDTHS_ATTR)
+    if slot is not None:
+        slot.bits = bits
 
 
 @dataclass(frozen=True)
@@ -52,10 +106,40 @@ class PrecisionStrategy:
         self.config = config
         self.layers: List[TrackedLayer] = []
         self._handles: List[RemovableHandle] = []
+        self._new_thread_state()
+
+    def _new_thread_state(self) -> None:
+        # ``lock``: held while shared statistics change or are read as a whole (per model);
+        # ``local``: this thread's forward (its step, flags, the call a pre-hook prepared)
+        self.lock = threading.Lock()
+        self.local = ThreadState()
+
+    def __getstate__(self) -> Dict[str, Any]:  # deepcopy / pickle: no lock, no thread's state
+        state = dict(self.__dict__)
+        del state["lock"], state["local"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._new_thread_state()
 
     def attach(self, model: nn.Module, layers: Sequence[TrackedLayer]) -> None:
         """Start managing ``layers`` of ``model`` (the root the converter returns)."""
         self.layers = list(layers)
+
+    def running(self) -> Dict[Any, Any]:
+        """This thread's layer calls between their pre-hook and their forward hook: layer
+        hook object -> what the pre-hook left for the forward hook (per thread: another
+        thread runs its own calls of the same layers)."""
+        running = self.local.running
+        if running is None:
+            running = self.local.running = {}
+        return running
+
+    def own_widths(self, module: nn.Module) -> None:
+        """Give ``module`` a per-thread widths slot (:class:`ThreadWidths`): from now on its
+        forward uses the widths :func:`set_sample_bits` set on the same thread."""
+        module.__dict__[WIDTHS_ATTR] = ThreadWidths()
 
     def detach(self) -> None:
         """Remove every hook and forget per-sample widths and statistics on the layers."""
@@ -63,6 +147,7 @@ class PrecisionStrategy:
             h.remove()
         self._handles = []
         for tl in self.layers:
+            tl.module.__dict__.pop(WIDTHS_ATTR, None)
             tl.module.sample_bits = None
             tl.module.precision_stats = None
         self.layers = []

@@ -97,12 +97,24 @@ Q-layers' control (functional dropout on CUDA) adds to the estimate; the probe's
 the model's other forward hooks too. Pinned layers keep their width and their cost is taken
 off the budget. What tier 2 / 3 of capture compresses (GPT-2's Conv1D inputs, attention) is
 outside GACT's control and its noise is the same under every allocation.
+
+Threads running one model (``base``'s module doc): each root training forward takes its step
+from the root's pre-hook (kept per thread) and keeps its own recording; a recording is offered
+to the probe once its output gradient has arrived (so the probe of an update step may run a
+step or two later, when the recorded forward was another thread's and its backward had not
+run yet; in one thread too, when the recorded step had no backward: the steps while a probe
+is due are recorded). A step that probes or applies widths first waits until no other forward of the
+model is running and holds new ones back until it is done: the probe's passes change the
+layers' seeds, widths and (restored afterwards) BatchNorm statistics, which a concurrent
+forward would otherwise see. Sizes change under the strategy's lock; a probe's seed streams
+are opened and closed on the thread that runs the layer.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
 import math
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -267,6 +279,7 @@ class _Recording:
     slice_to: Optional[int]  # samples kept, None: the whole batch
     grads: List[Optional[Tensor]]
     count: int = 0  # tensor outputs
+    step: int = 0  # the training step recorded
 
 
 class _Layer:
@@ -314,16 +327,21 @@ class _Layer:
         if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
             return
         if x.numel() == 0 or not self.kind.compresses(module, x):
-            self.stats.samples = self.stats.numel = 0
+            with s.lock:
+                self.stats.samples = self.stats.numel = 0
             return
         rows = self.kind.batched(module, x)
         if rows.dim() <= 1:
             return
         n = rows.shape[0]
-        key = (s.step, s.probing)  # a probe pass is its own forward
-        count_call(self.stats, key != self._counted, n, rows.numel() // n)
-        self._counted = key
-        self.quantized = True
+        # this thread's step (outside a root forward, e.g. on the autograd engine's thread,
+        # the last one); a probe pass is its own forward
+        step = s.local.step
+        key = (s.step if step is None else step, s.probing)
+        with s.lock:
+            count_call(self.stats, key != self._counted, n, rows.numel() // n)
+            self._counted = key
+            self.quantized = True
 
     def set_width(self, width: int) -> None:
         """The layer's width, as its qconfig's ``bits``: an int width, not per-sample widths,
@@ -373,21 +391,47 @@ class GACTStrategy(PrecisionStrategy):
         self.updates = 0  # allocations applied
         self.probes = 0  # probes run
         self.probe_passes = 0  # forward + backward passes the probes ran, in all
+        # a probe's passes are running (their layers are seeded); no other forward of the
+        # model runs meanwhile (:meth:`on_model_forward`)
         self.probing = False
         self.layers_: List[_Layer] = []
         self._model: Optional[nn.Module] = None
-        self._record_next = False  # this step's batch is kept for the next step's probe
+        # the latest recorded batch whose output gradient arrived, for the next probe; an
+        # update step whose probe has not run yet (no such batch then)
         self._recording: Optional[_Recording] = None
+        self._probe_due = False
+        # root training forwards running now (all threads), and whether one step is probing or
+        # applying widths: the others wait (``lock``'s condition)
+        self._inflight = 0
+        self._exclusive = False
         self._pending: Optional[Tuple[_Estimate, DeferredRead]] = None
         # seed control during a probe: base seed, the layers re-seeded in this pass
         self._seed_base = 0
         self._variant: Set[int] = set()
-        self._streams: List[seed_stream] = []  # open per-layer seed streams (probe only)
         self._warned = False
         # the least predicted gain over uniform widths (at an integer budget) that a new
         # allocation must promise to be applied; the last prediction (None: not compared)
         self.min_gain = 0.1
         self.predicted_ratio: Optional[float] = None
+
+    def _new_thread_state(self) -> None:
+        super()._new_thread_state()
+        self._turn = threading.Condition(self.lock)  # the exclusive steps' turn (see above)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        del state["_turn"]
+        state["_inflight"], state["_exclusive"] = 0, False
+        return state
+
+    @property
+    def _streams(self) -> List[seed_stream]:
+        """This thread's open per-layer seed streams (probe only): a stream's context is
+        exited on the thread that entered it."""
+        streams = self.local.streams
+        if streams is None:
+            streams = self.local.streams = []
+        return streams
 
     # -- attach / detach ------------------------------------------------------------------
     def attach(self, model: nn.Module, layers: Sequence[TrackedLayer]) -> None:
@@ -406,6 +450,8 @@ class GACTStrategy(PrecisionStrategy):
             self._keep(model.register_forward_pre_hook(EagerHook(self.on_model_forward),
                                                         prepend=True, with_kwargs=True))
             self._keep(model.register_forward_hook(EagerHook(self.on_model_output)))
+            self._keep(model.register_forward_hook(EagerHook(self.on_model_forward_end),
+                                                   always_call=True))
 
     def detach(self) -> None:
         for w in self.layers_:  # the widths the config gave
@@ -422,41 +468,81 @@ class GACTStrategy(PrecisionStrategy):
         return step == 2 or (step > 2 and (step - 2) % self.update_interval == 0)
 
     def on_model_forward(self, model: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> None:
-        """Count training steps; apply a finished probe; probe on update steps; decide whether
-        to keep this step's batch."""
-        if self.probing or not (model.training and torch.is_grad_enabled()):
+        """Count training steps; apply a finished probe; probe on update steps (or, when no
+        recorded batch had its gradient yet, at the next step that has one); decide whether to
+        keep this step's batch. A step that applies or probes runs alone (module doc)."""
+        local = self.local
+        stack = local.counted
+        if stack is None:
+            stack = local.counted = []
+        if local.probe_pass or not (model.training and torch.is_grad_enabled()):
+            stack.append(False)  # a probe's own pass, eval, no_grad: not a step
             return None
-        self.step += 1
-        if self._pending is not None:
-            self._apply(*self._pending)
-            self._pending = None
-        if self.is_update_step(self.step) and self._recording is not None:
-            self.probe(model)
-        self._recording = None
-        self._record_next = self.is_update_step(self.step + 1)
-        if self._record_next:
-            self._recording = self._start_recording(args, kwargs)
+        own = sum(stack)  # this thread's forwards running already (a model calling itself)
+        with self._turn:
+            while self._exclusive:
+                self._turn.wait()
+            self.step += 1
+            step = local.step = self.step
+            pending, self._pending = self._pending, None
+            if self.is_update_step(step):
+                self._probe_due = True
+            rec = self._recording if self._probe_due else None
+            alone = pending is not None or rec is not None
+            if alone:
+                self._exclusive = True
+                while self._inflight > own:
+                    self._turn.wait()
+            self._inflight += 1
+            stack.append(True)
+        if alone:
+            try:
+                if pending is not None:
+                    self._apply(*pending)
+                if rec is not None:
+                    self.probe(model, rec)
+            finally:
+                with self._turn:
+                    if rec is not None:
+                        self._probe_due = False
+                        if self._recording is rec:
+                            self._recording = None
+                    self._exclusive = False
+                    self._turn.notify_all()
+        record = self.is_update_step(step + 1) or self._probe_due
+        local.rec = self._start_recording(args, kwargs, step) if record else None
         return None
 
-    def _start_recording(self, args: Tuple, kwargs: Dict[str, Any]) -> Optional[_Recording]:
+    def on_model_forward_end(self, model: nn.Module, args: Tuple, output: object) -> None:
+        """The root's forward is over (also when it raised): a step that waits to run alone
+        may go on."""
+        stack = self.local.counted
+        if not stack or not stack.pop():
+            return
+        with self._turn:
+            self._inflight -= 1
+            self._turn.notify_all()
+
+    def _start_recording(self, args: Tuple, kwargs: Dict[str, Any],
+                         step: int) -> Optional[_Recording]:
         batch = next((a.shape[0] for a in (*args, *kwargs.values())
                       if isinstance(a, Tensor) and a.dim() > 0), None)
         if batch is None:
             return None
         k = self.probe_samples if 0 < self.probe_samples < batch else None
         # references until the output shows whether slicing is consistent; cloned there
-        return _Recording(tuple(args), dict(kwargs), k if k is None else batch, [])
+        return _Recording(tuple(args), dict(kwargs), k if k is None else batch, [], step=step)
 
     def on_model_output(self, model: nn.Module, args: Tuple, output: object) -> None:
         """Keep the inputs (cloned) and have the output's gradients recorded."""
-        rec = self._recording
-        if self.probing or not self._record_next or rec is None:
+        if self.local.probe_pass:
             return
-        if not (model.training and torch.is_grad_enabled()):
+        rec = self.local.rec
+        self.local.rec = None
+        if rec is None or not (model.training and torch.is_grad_enabled()):
             return
         outs = _tensors(output)
         if outs is None or not outs:
-            self._recording = None
             return
         batch = rec.slice_to  # the batch size, set above when slicing is wanted
         k: Optional[int] = None
@@ -469,7 +555,14 @@ class GACTStrategy(PrecisionStrategy):
         rec.count = len(outs)
         for j, o in enumerate(outs):
             if o.requires_grad:
-                o.register_hook(_GradSink(rec, j, k))
+                o.register_hook(_GradSink(self, rec, j, k))
+
+    def offer(self, rec: _Recording) -> None:
+        """A recorded batch's output gradient arrived: the next probe may use it (the latest
+        step's, when threads record several)."""
+        with self.lock:
+            if self._recording is None or self._recording.step <= rec.step:
+                self._recording = rec
 
     # -- the probe ------------------------------------------------------------------------
     def seed_layer(self, layer: _Layer, neutral: bool = False) -> None:
@@ -493,10 +586,12 @@ class GACTStrategy(PrecisionStrategy):
         if self._streams:
             self._streams.pop().__exit__(None, None, None)
 
-    def probe(self, model: nn.Module) -> None:
-        """Estimate every free tensor's C_l from the recorded batch (module doc); the values
-        go to the host with one non-blocking copy and apply at the next step."""
-        rec = self._recording
+    def probe(self, model: nn.Module, rec: Optional[_Recording] = None) -> None:
+        """Estimate every free tensor's C_l from the recorded batch ``rec`` (default: the
+        latest whose gradient arrived; module doc); the values go to the host with one
+        non-blocking copy and apply at the next step."""
+        if rec is None:
+            rec = self._recording
         if rec is None or all(g is None for g in rec.grads):
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -504,7 +599,7 @@ class GACTStrategy(PrecisionStrategy):
             return
         buffers = [b.detach().clone() for b in model.buffers()]
         devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-        self.probing = True
+        self.probing = self.local.probe_pass = True
         try:
             with torch.random.fork_rng(devices=devices):
                 start = torch.get_rng_state()
@@ -524,7 +619,7 @@ class GACTStrategy(PrecisionStrategy):
         finally:
             while self._streams:  # a pass that raised inside a layer left its stream open
                 self.close_stream()
-            self.probing = False
+            self.probing = self.local.probe_pass = False
             self._variant = set()
             with torch.no_grad():
                 for b, v in zip(model.buffers(), buffers):
@@ -541,7 +636,8 @@ class GACTStrategy(PrecisionStrategy):
             parts.append(torch.stack([torch.stack(e.one_bit) for e in estimates]).mean(0)
                          .to(sens.device, torch.float64).reshape(-1))
         values = torch.cat(parts)
-        self._pending = (first, DeferredRead(values))
+        with self.lock:
+            self._pending = (first, DeferredRead(values))
 
     def _pass(self, model: nn.Module, rec: _Recording, params: List[nn.Parameter]
               ) -> List[Optional[Tensor]]:
@@ -806,9 +902,11 @@ def _keep(a: Any, batch: Optional[int], k: Optional[int]) -> Any:
 class _GradSink:
     """Tensor hook storing (the first ``k`` samples of) an output's gradient."""
 
-    def __init__(self, rec: _Recording, j: int, k: Optional[int]) -> None:
-        self.rec, self.j, self.k = rec, j, k
+    def __init__(self, strategy: GACTStrategy, rec: _Recording, j: int,
+                 k: Optional[int]) -> None:
+        self.strategy, self.rec, self.j, self.k = strategy, rec, j, k
 
     def __call__(self, grad: Tensor) -> None:
         g = grad.detach()
         self.rec.grads[self.j] = (g[:self.k] if self.k is not None else g).clone()
+        self.strategy.offer(self.rec)

@@ -26,6 +26,7 @@ from ..nn.linear import QLinear
 from ..nn.softmax import QSoftmax
 from ..quant.api import SampleBits, as_rows
 from ..quant.backend import extension
+from .base import set_sample_bits
 
 __all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq"]
 
@@ -75,14 +76,14 @@ def set_width(module: nn.Module, stats: LayerStats, width: int, samples: int,
     per-sample widths; another width reuses ``cache`` while the batch size, device and width
     are unchanged (no allocation per step). Returns the cache to keep."""
     if width == module.qconfig.bits:  # type: ignore[attr-defined]
-        object.__setattr__(module, "sample_bits", None)
+        set_sample_bits(module, None)
         stats.bits = None
         return cache
     if (cache is None or cache.bits.shape[0] != samples or cache.bits.device != device
             or cache.max_sum != samples * width):
         cache = SampleBits(torch.full((samples,), width, dtype=torch.uint8, device=device),
                            samples * width)
-    object.__setattr__(module, "sample_bits", cache)
+    set_sample_bits(module, cache)  # this thread's forward (base.set_sample_bits)
     stats.bits = cache.bits
     return cache
 
