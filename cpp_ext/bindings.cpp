@@ -362,7 +362,13 @@ at::Tensor unpack_mask_op(const at::Tensor& packed, at::IntArrayRef shape) {
 }  // namespace
 
 // A fragment: actnn_zoo/quant/ops.py adds the fake kernels and the fallback to the namespace.
+// When ops.py defined the schemas first (the reference backend, ACTNN_ZOO_BACKEND=reference,
+// then something imported this module), they are not defined twice: a second definition
+// would fail this library's import; the kernels below still register for them.
 TORCH_LIBRARY_FRAGMENT(actnn_zoo, m) {
+  if (c10::Dispatcher::singleton().findSchema({"actnn_zoo::quantize_uniform", ""}).has_value()) {
+    return;
+  }
   // nondeterministic_seeded: with no seed it draws one, so compilers must not merge or replay it.
   const char* quantize_schema =
       "quantize_uniform(Tensor x, Tensor? seed, int bits, int group_size, bool stochastic) "

@@ -32,7 +32,19 @@ _NS = "actnn_zoo"
 # Loading the extension defines the schemas with its C++ kernels (a fragment of the namespace:
 # this module adds to it, see the module docstring).
 _EXT = extension()
-_DEFINED_IN_CPP = bool(getattr(_EXT, "has_torch_ops", False))
+
+
+def _defined(name: str) -> bool:
+    """Whether ``actnn_zoo::<name>`` exists already (the extension defined it on loading,
+    also when something imported it under the reference backend)."""
+    try:
+        getattr(getattr(torch.ops, _NS), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+_DEFINED_IN_CPP = bool(getattr(_EXT, "has_torch_ops", False)) or _defined("quantize_uniform")
 _LIB = torch.library.Library(_NS, "FRAGMENT")
 
 
