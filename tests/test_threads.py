@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import pytest
 import torch
@@ -28,6 +28,15 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
                          nn.Linear(16 * 64, 10))
+
+
+def _run_two(run: Callable[[int], None], timeout: float) -> None:
+    """``run(0)`` and ``run(1)`` in two threads, joined (each waits at most ``timeout`` s)."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,11 +84,7 @@ def test_two_threads_one_model_match_fp32_at_8_bits(strategy, sizes):
         except Exception as exc:  # noqa: BLE001 -- reported below
             errors.append(f"thread {i}: {exc!r}")
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    _run_two(run, timeout=300)
     assert not errors, errors
     # 8-bit rounding noise alone: the mean cosine over 25 steps x 7 parameters >= 0.9999, the
     # worst single one (batch norm's 16 weights) >= 0.9995 (single-threaded, the worst of 50
@@ -118,11 +123,7 @@ def test_each_thread_gets_the_widths_made_for_its_batch():
         except Exception as exc:  # noqa: BLE001 -- reported below
             errors.append(f"thread {i}: {exc!r}")
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    _run_two(run, timeout=120)
     assert not errors, errors
     for i, n in ((0, 32), (1, 64)):
         widths = seen[idents[i]]
