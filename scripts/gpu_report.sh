@@ -6,17 +6,19 @@
 #   PHASES="build cuda_tests" bash scripts/gpu_report.sh /tmp/out
 #   PHASES="build suite" bash scripts/gpu_report.sh  # the whole test suite on the GPU machine
 #
-# Phases (PHASES, in this order): build, cuda_tests, kernels, models, suite (not by default).
+# Phases (PHASES, in this order): build, cuda_tests, kernels, models, compiled (torch.compile
+# of the plain model and actnn_zoo.compile of the default, step time and peak, no largest
+# batch), suite (not by default).
 # Each phase runs under its own time limit and writes one file into OUTDIR, so that a phase
 # that fails or runs out of time still leaves the others' results; summary.txt says how each
 # ended. TOTAL_SECONDS (default 570) bounds the whole run: a phase gets at most what is left.
-# At most eight files are written.
+# At most eight files are written by default (nine with suite).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUTDIR="$(mkdir -p "${1:-results/gpu}" && cd "${1:-results/gpu}" && pwd)"
 PY="${PYTHON:-python3}"
-PHASES="${PHASES:-build cuda_tests kernels models}"
+PHASES="${PHASES:-build cuda_tests kernels models compiled}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + ${TOTAL_SECONDS:-570}))  # every phase ends before this
@@ -58,6 +60,10 @@ run_phase kernels 150 kernels.log \
 
 run_phase models 480 models.log \
   "$PY" scripts/bench_gpu_models.py --json "$OUTDIR/models.json"
+
+run_phase compiled 300 compiled.log \
+  "$PY" scripts/bench_gpu_models.py --modes fp32 "compiled fp32" "compiled default" \
+  --no-max-batch
 
 run_phase suite 480 suite.log \
   "$PY" -m pytest -q -p no:cacheprovider -rfE -n 8 tests
