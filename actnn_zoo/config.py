@@ -857,9 +857,10 @@ def default_config(model: Any = None, **overrides: Any) -> QuantConfig:
     strategy at a 2-bit average. Models with attention (:func:`has_attention`): ``actnn`` at a
     ``TRANSFORMER_BITS`` (3.375-bit) average with softmax modules, the linears inside
     attention modules, the norms, the output head (the last Linear) and the capture tiers at
-    4 bits; the other layers (the MLPs, activations) share what remains of the budget. ``overrides`` apply on top; when they set ``bits``, ``strategy``,
-    ``capture_bits``, ``rules`` or ``enabled`` the user has chosen the allocation and the
-    plain defaults apply (a budget the user sets is the whole budget, never raised).
+    4 bits; the other layers (the MLPs, activations) share what remains of the budget.
+    ``overrides`` apply on top; when they set ``bits``, ``strategy``, ``capture_bits``,
+    ``rules`` or ``enabled`` the user has chosen the allocation and the plain defaults apply
+    (a budget the user sets is the whole budget, never raised).
     """
     if model is None or _USER_ALLOCATION_KEYS & overrides.keys() or not has_attention(model):
         return QuantConfig().replace(**overrides) if overrides else QuantConfig()

@@ -134,9 +134,9 @@ def test_realised_average_with_capture_tiers_stays_within_the_budget(monkeypatch
 
 
 def test_the_measured_config_is_the_default_on_the_text_transformer():
-    """scripts/default_fidelity.py's 1000-step runs of 't3.375_ln4_head4' (types, patterns) measure the
-    default: on the demo's transformer it pins the same layers at the same widths, with the
-    same budget and tier width; every candidate there is a valid config."""
+    """scripts/default_fidelity.py's 1000-step runs of 't3.375_ln4_head4' (types, patterns)
+    measure the default: on the demo's transformer it pins the same layers at the same
+    widths, with the same budget and tier width; every candidate there is a valid config."""
     import sys
     from pathlib import Path
 
