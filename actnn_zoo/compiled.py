@@ -13,8 +13,8 @@ never the model's inputs, parameters or buffers. What each saved tensor becomes:
   attention's log-sum-exp, which the backward reads exactly): ``actnn_zoo::quantize_uniform``
   codes at ``bits`` per value, stochastic rounding seeded from torch's CPU generator by the
   operator itself (new every call), in the tensor's memory order, so the backward gets back
-  its strides (a view with gaps, such as q, k or v sliced from one projection, is copied first and comes
-  back as a copy with the same strides);
+  its strides (a view with gaps, such as q, k or v sliced from one projection, is copied
+  first and comes back as a copy with the same strides);
 * bool with at least ``min_numel`` values (dropout's mask): 1 bit per value;
 * anything else (indices, statistics, small or sparse tensors, tensors made from no
   floating input, such as an additive attention mask of zeros and ``finfo.min``, whose zeros

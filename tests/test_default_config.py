@@ -79,7 +79,8 @@ def test_attention_models_get_the_transformer_default():
     assert converted.actnn_zoo_report.config == cfg
     assert converted.head.qconfig.bits == converted.ln_f.qconfig.bits == 4
     assert converted.blocks[0].attn.softmax.qconfig.bits == 4
-    assert converted.blocks[1].attn.qkv.qconfig.bits == converted.blocks[1].attn.proj.qconfig.bits == 4
+    attn = converted.blocks[1].attn
+    assert attn.qkv.qconfig.bits == attn.proj.qconfig.bits == 4
     assert converted.blocks[1].mlp[0].qconfig.bits == 2  # free: the strategy's (<= budget)
     assert precision_strategy(converted).budget == TRANSFORMER_BITS
     # a converted model (Q-layers) is still recognised: re-conversion gives the same config
