@@ -70,14 +70,17 @@ Workload = Tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor],
                  Callable[[nn.Module], nn.Module]]
 
 
-def _resnet50() -> Workload:
+def resnet50(batch: int = 2, side: int = 32) -> Workload:
+    """torchvision ResNet-50 (10 classes), cross-entropy on ``batch`` random ``side``-square
+    images; checkpointing per bottleneck block."""
     from third_party import import_vision
 
     tv, _, why = import_vision()
     if tv is None:
         raise SystemExit(f"resnet50 needs torchvision ({why}); see scripts/third_party.py")
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+    x = torch.randn(batch, 3, side, side, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
 
     def checkpointed(m: nn.Module) -> nn.Module:
         for stage in (m.layer1, m.layer2, m.layer3, m.layer4):
@@ -88,11 +91,14 @@ def _resnet50() -> Workload:
             lambda m: F.cross_entropy(m(x), y), checkpointed)
 
 
-def _gpt2() -> Workload:
+def gpt2(batch: int = 2, tokens: int = 16, use_cache: bool = True) -> Workload:
+    """transformers GPT-2, 12 layers of width 64, the loss inside (``labels=``), on ``batch``
+    random sequences of ``tokens``; checkpointing through transformers' own switch."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
-    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    cfg = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=512, n_positions=64,
+                     use_cache=use_cache)
+    ids = torch.randint(0, 512, (batch, tokens), generator=torch.Generator().manual_seed(0))
 
     def checkpointed(m: nn.Module) -> nn.Module:
         # transformers >= 5 renamed gradient_checkpointing_* to activation_checkpointing_*
@@ -115,7 +121,7 @@ def _cnn() -> Workload:
             lambda m: set_checkpointing(m, True))
 
 
-MODELS: Dict[str, Callable[[], Workload]] = {"resnet50": _resnet50, "gpt2": _gpt2,
+MODELS: Dict[str, Callable[[], Workload]] = {"resnet50": resnet50, "gpt2": gpt2,
                                              "cnn": _cnn}
 
 

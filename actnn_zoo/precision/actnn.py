@@ -370,12 +370,8 @@ class ActNNStrategy(PrecisionStrategy):
         if not (model.training and torch.is_grad_enabled()):
             return
         k = self.update_interval
-        with self.lock:  # threads running this model count their steps in one sequence
-            self.step += 1
-            step = self.step
-            if self._pending is not None:
-                self._apply(*self._pending)
-                self._pending = None
+        with self.lock:
+            step = self._count_step()
             if step == 2 or (step > 1 and (step - 1) % k == 0):
                 self.reallocate()
             record = self.record_grads = step == 1 or step % k == 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -154,6 +154,25 @@ class PrecisionStrategy:
 
     def _keep(self, handle: RemovableHandle) -> None:
         self._handles.append(handle)
+
+    # Strategies that re-allocate count the model's training forwards in ``step`` and keep
+    # widths computed on the device in ``_pending`` (the arguments of ``_apply``) until the
+    # next step reads them: one host read a step late instead of a sync.
+    step: int
+    _pending: Optional[Tuple[Any, ...]]
+
+    def _apply(self, *pending: Any) -> None:
+        raise NotImplementedError
+
+    def _count_step(self) -> int:
+        """This training forward's step number, under ``self.lock`` (threads running one
+        model count their steps in one sequence), after applying the widths the last
+        re-allocation computed."""
+        self.step += 1
+        if self._pending is not None:
+            self._apply(*self._pending)
+            self._pending = None
+        return self.step
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(bits={self.config.bits}, "
