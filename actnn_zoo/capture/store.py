@@ -49,7 +49,7 @@ from ..config import LayerQConfig
 from ..functional._saving import quantizer_for
 from ..quant import Bits, QuantizedTensor, pack_mask, quantize, unpack_mask
 from ..quant.sparse import quantize_sparse
-from ..quant.tensor import SparseQuantizedTensor
+from ..quant.tensor import MaskedPayload, SparseQuantizedTensor
 from ..quant.division import Payload, decompress, uses_division
 
 __all__ = ["CompressedStore", "CaptureStats"]
@@ -66,14 +66,17 @@ class CaptureStats:
 
     ``routed``: functional calls tier 2 sent to the zoo's Functions, by name. ``compressed`` /
     ``compressed_bytes``: tensors tier 3 compressed and their original size; ``shared``: saves
-    answered from the store (a tensor compressed once and saved again); ``passed``: tensors left
-    as they are, by reason, with their bytes.
+    answered from the store (a tensor compressed once and saved again); ``derived``: dropout
+    outputs tier 3 kept as their input's payload and the dropout's mask
+    (:meth:`CompressedStore.derive`, no byte of their own); ``passed``: tensors left as they
+    are, by reason, with their bytes.
     """
 
     routed: Dict[str, int] = field(default_factory=dict)
     compressed: int = 0
     compressed_bytes: int = 0
     shared: int = 0
+    derived: int = 0
     passed: Dict[str, List[int]] = field(default_factory=dict)  # reason -> [count, bytes]
 
     def _pass(self, reason: str, t: Tensor) -> None:
@@ -89,7 +92,8 @@ class CaptureStats:
                                                   sorted(self.routed.items())) or "nothing"),
                  f"tier 3 compressed: {self.compressed} tensors "
                  f"({self.compressed_bytes / 2 ** 20:.2f} MiB before compression); "
-                 f"saves answered from the store: {self.shared}"]
+                 f"saves answered from the store: {self.shared}; dropout outputs kept as "
+                 f"their input's payload: {self.derived}"]
         for reason, (count, nbytes) in sorted(self.passed.items()):
             lines.append(f"left as saved ({reason}): {count} tensors, "
                          f"{nbytes / 2 ** 20:.2f} MiB")
@@ -100,6 +104,14 @@ def _memory_key(x: Tensor) -> tuple:
     """The memory ``x`` views, at its current version (see :class:`CompressedStore`)."""
     return (_storage_ptr(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
             tensor_version(x))
+
+
+def _flat_key(x: Tensor) -> Optional[tuple]:
+    """The memory a contiguous ``x`` covers, whatever its shape (a matmul saves a reshaped view
+    of its operand), at its current version; None when ``x`` is not contiguous."""
+    if not x.is_contiguous():
+        return None
+    return (_storage_ptr(x), x.storage_offset(), x.numel(), x.dtype, tensor_version(x))
 
 
 def _sparse(x: Tensor, bits: Bits, group_size: int, rounding: str) -> SparseQuantizedTensor:
@@ -264,6 +276,10 @@ class CompressedStore:
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
         self._saving: Dict[int, Tensor] = {}  # the tensors keep() was just given, by id
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
+        # the last plain payload made of each memory (any settings), for derive(); and the
+        # dropout outputs derive() answers, by flat key
+        self._latest: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
+        self._derived: Dict[tuple, Tuple["weakref.ref[Tensor]", MaskedPayload]] = {}
         # ReLU-code sharing: ReLU outputs offered (mask saved, learning) and claimed (codes
         # wanted), by memory key; the probe of hooks_innermost
         self._offers: Dict[tuple, Tuple["weakref.ref[Tensor]", ZeroCodeSlot]] = {}
@@ -332,8 +348,32 @@ class CompressedStore:
         # The entry goes when the owner does: the payload then lives exactly as long as the
         # saved objects autograd keeps, so nothing outlives its backward, also when one
         # store spans several micro-batches (``capturing`` around gradient accumulation).
-        self._cache[key] = (weakref.ref(owner, functools.partial(_evict, self._cache, key)), q)
+        ref = weakref.ref(owner, functools.partial(_evict, self._cache, key))
+        self._cache[key] = (ref, q)
+        if kind == "quant":
+            self._latest[key[:6]] = (weakref.ref(owner, functools.partial(
+                _evict, self._latest, key[:6])), q)
         return q
+
+    @_eager
+    def derive(self, out: Tensor, x: Tensor, mask: Tensor, scale: float) -> None:
+        """A dropout made ``out = x * mask * scale`` (``mask``: its packed keep bits of ``x``,
+        row-major; ``scale``: ``1 / (1 - p)`` in ``out``'s dtype). When ``x`` was compressed
+        in this forward with one width and no transform (a softmax's probabilities), a later
+        tier-3 save of ``out`` is answered with that payload and the mask
+        (:class:`~actnn_zoo.quant.tensor.MaskedPayload`): no bytes of its own, unbiased. Only
+        for contiguous ``x`` and ``out`` of one dtype, unchanged since."""
+        if not (x.is_contiguous() and out.is_contiguous() and x.dtype == out.dtype):
+            return
+        hit = self._latest.get(_memory_key(x))
+        q = hit[1] if hit is not None and hit[0]() is not None else None
+        if not (isinstance(q, QuantizedTensor) and q.bits is not None
+                and q.transform == "none" and q.shape == x.shape):
+            return
+        key = _flat_key(out)
+        owner = tensor_base(out) if tensor_base(out) is not None else out
+        self._derived[key] = (weakref.ref(owner, functools.partial(_evict, self._derived, key)),
+                              MaskedPayload(q, mask, scale, out.shape))
 
     @_eager
     def offer(self, x: Tensor, slot: ZeroCodeSlot) -> None:
@@ -517,6 +557,11 @@ class CompressedStore:
         if perm is None:
             stats._pass("not dense (expanded or sliced)", t)
             return t
+        if self._derived and t.dtype != torch.bool:
+            derived = self._derived_for(t)
+            if derived is not None:
+                stats.derived += 1
+                return _Compressed(derived, tuple(range(t.dim())))
         x = t.detach().permute(perm)
         if t.dtype == torch.bool:
             stats.compressed += 1
@@ -534,6 +579,19 @@ class CompressedStore:
             stats.compressed += 1
             stats.compressed_bytes += t.numel() * t.element_size()
         return _Compressed(q, perm)
+
+    def _derived_for(self, t: Tensor) -> Optional[MaskedPayload]:
+        """:meth:`derive`'s payload for ``t`` (a view of a dropout's output, unchanged since),
+        when its source is at least as wide as tier 3's width; else None."""
+        key = _flat_key(t)
+        hit = self._derived.get(key) if key is not None else None
+        if hit is None or hit[0]() is None:
+            return None
+        q = hit[1]
+        bits = self.qconfig.bits
+        if not isinstance(bits, int) or q.bits < bits:
+            return None
+        return q.as_view(t.shape)
 
 
 def _evict(cache: Dict[tuple, Any], key: tuple, _ref: Any) -> None:

@@ -15,6 +15,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from .._session import active_session
 from ._saving import load, save
 from ..quant import pack_compare
 from .activation import load_mask, masked_grad_in, memory_perm, to_memory_order
@@ -56,6 +57,11 @@ class DropoutFunction(torch.autograd.Function):
         ctx.noise_dtype = noise.dtype
         ctx.elementwise = noise_shape is None
         save(ctx, packed)
+        session = active_session()
+        if session is not None and ctx.elementwise and perm is None and not inplace:
+            # a later save of ``out`` (a matmul's operand after softmax -> dropout) can be
+            # answered with ``x``'s payload and this mask: no bytes of its own (store.derive)
+            session.store.derive(out, x, packed, _scale(noise.dtype, p))
         return out
 
     @staticmethod
@@ -65,11 +71,16 @@ class DropoutFunction(torch.autograd.Function):
             # One fused pass (quant.masked_grad): grad * scale where kept, grad * 0.0 where
             # dropped (not +0: torch's grad * noise gives -0.0 and NaN there too), with the scale
             # rounded to the noise dtype as torch's ``mask.to(dtype).div_(1 - p)`` rounds it.
-            scale = torch.ones((), dtype=ctx.noise_dtype).div_(1 - ctx.p).item()
+            scale = _scale(ctx.noise_dtype, ctx.p)
             return masked_grad_in(grad, packed, ctx.mshape, ctx.perm, scale, 0.0), None, None, None
         # Feature dropout: the (N, C, 1, ...) noise is small and broadcasts in the product.
         noise = load_mask(packed, ctx.mshape, ctx.perm).to(ctx.noise_dtype).div_(1 - ctx.p)
         return grad * noise, None, None, None
+
+
+def _scale(dtype: torch.dtype, p: float) -> float:
+    """``1 / (1 - p)`` rounded to ``dtype``, as torch's ``mask.to(dtype).div_(1 - p)`` is."""
+    return torch.ones((), dtype=dtype).div_(1 - p).item()
 
 
 def _trivial(x: Tensor, p: float) -> bool:

@@ -44,7 +44,7 @@ from . import division_reference
 from .api import SUPPORTED_DTYPES, Bits, _capacity, _row_bits, check_sample_bits, draw_seed
 from .backend import kernels
 from .reference import row_offsets, uniform_offsets
-from .tensor import CompressedPayload, QuantizedTensor, SparseQuantizedTensor
+from .tensor import CompressedPayload, MaskedPayload, QuantizedTensor, SparseQuantizedTensor
 
 COMPRESSORS = ("quant", "division")
 DEFAULT_BLOCK = 8
@@ -114,7 +114,7 @@ class DivisionTensor(CompressedPayload):
                 f"block={self.block}, low={self.has_low}, nbytes={self.nbytes})")
 
 
-Payload = Union[QuantizedTensor, DivisionTensor, SparseQuantizedTensor]
+Payload = Union[QuantizedTensor, DivisionTensor, SparseQuantizedTensor, MaskedPayload]
 
 
 def as_5d(shape: torch.Size) -> Tuple[int, int, int, int, int]:
@@ -241,6 +241,9 @@ def decompress(payload: Payload) -> Tensor:
         from .sparse import dequantize_sparse
 
         return dequantize_sparse(payload)
-    from .api import dequantize
+    from .api import dequantize, masked_grad
 
+    if isinstance(payload, MaskedPayload):  # a dropout's output: its input's codes, masked
+        kept = masked_grad(dequantize(payload.source), payload.mask, payload.scale, 0.0)
+        return kept.reshape(payload.view_shape)
     return dequantize(payload)

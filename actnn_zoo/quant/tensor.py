@@ -142,3 +142,59 @@ class SparseQuantizedTensor(CompressedPayload):
     def __repr__(self) -> str:
         return (f"SparseQuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"group_size={self.group_size}, nbytes={self.nbytes})")
+
+
+@dataclass(frozen=True)
+class MaskedPayload(CompressedPayload):
+    """A dropout's output kept as its input's payload times the dropout's keep-mask and scale.
+
+    Why: attention written as softmax -> dropout -> matmul saves the probabilities twice, once
+    for the softmax's backward and once, dropped out, for the matmul's; the second is the first
+    times a mask the dropout keeps anyway (1 bit a value). Rebuilt as ``source_hat * mask *
+    scale`` it costs no byte of its own, and it is unbiased because the mask and scale are
+    exact: ``E[source_hat] * mask * scale`` is the dropout's output (``capture/store.py``).
+    ``mask``: packed keep bits of ``source.shape`` in row-major order; ``scale``: ``1 / (1 - p)``
+    rounded to the output's dtype, as torch's dropout rounds it; ``view_shape``: the shape the
+    save asked for (a matmul saves a reshaped view of its operand).
+    """
+
+    source: QuantizedTensor
+    mask: Tensor
+    scale: float
+    view_shape: torch.Size
+
+    @property
+    def data(self) -> Tensor:
+        return self.source.data
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.view_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source.dtype
+
+    @property
+    def bits(self) -> Optional[int]:
+        return self.source.bits
+
+    @property
+    def row_bits(self) -> Optional[Tensor]:
+        return None
+
+    def tensors(self) -> Tuple[Tensor, ...]:
+        return self.source.tensors() + (self.mask,)
+
+    def spec(self) -> tuple:
+        return (self.source.spec(), self.scale, self.view_shape)
+
+    @classmethod
+    def rebuild(cls, spec: tuple, tensors: Tuple[Tensor, ...]) -> "MaskedPayload":
+        source_spec, scale, view_shape = spec
+        return cls(QuantizedTensor.rebuild(source_spec, tensors[:-1]), tensors[-1], scale,
+                   view_shape)
+
+    def as_view(self, shape: torch.Size) -> "MaskedPayload":
+        """The same payload read back in ``shape`` (same number of values, row-major)."""
+        return MaskedPayload(self.source, self.mask, self.scale, torch.Size(shape))
