@@ -307,7 +307,27 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def _take(flat: Tensor, index: Optional[Tensor], n0: int, n1: int) -> Tensor:
-    return flat[n0:n1] if index is None else flat[index[n0:n1]]
+    if index is None:
+        return flat if n0 == 0 and n1 == flat.shape[0] else flat[n0:n1]
+    return flat[index[n0:n1]]
+
+
+# The helpers below skip the torch call where it would give back its input (a slice over the
+# whole dim, a cast to the dtype it has): small shapes run one tile, and each call is a
+# dispatch of a microsecond or more for nothing.
+def _cols(t: Tensor, stop: int) -> Tensor:
+    """``t[:, :stop]``."""
+    return t if stop == t.shape[1] else t[:, :stop]
+
+
+def _row_tile(t: Tensor, r0: int, r1: int) -> Tensor:
+    """``t[:, r0:r1]``."""
+    return t if r0 == 0 and r1 == t.shape[1] else t[:, r0:r1]
+
+
+def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` (``t`` itself when it has that dtype, as ``to`` returns it)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _Mask:
@@ -491,7 +511,7 @@ def _probs(qs: Tensor, kt: Tensor, mask: Optional[_Mask], is_causal: bool,
 def _accumulate(dest: Tensor, index: Optional[Tensor], n0: int, n1: int, tile: Tensor) -> None:
     """dest[own batch index of n] += tile[n - n0] for n in [n0, n1) (sums broadcast / GQA)."""
     if index is None:
-        dest[n0:n1] += tile
+        (dest if n0 == 0 and n1 == dest.shape[0] else dest[n0:n1]).add_(tile)
     else:
         dest.index_add_(0, index[n0:n1], tile)
 
@@ -524,22 +544,30 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         mask = (_Mask(attn_mask, plan.out_batch, L, S, mask_round)
                 if attn_mask is not None else None)
         q, k, v = _rows(query), _rows(key), _rows(value)
-        # S == 0: softmax over no keys, torch gives zeros (the tile loops do not run)
-        out = (torch.empty if S else torch.zeros)(plan.N, L, plan.Ev, dtype=query.dtype,
-                                                  device=dev)
+        # S == 0: softmax over no keys, torch gives zeros (the tile loops do not run). One
+        # tile of the output's dtype: its result is the output (no buffer, no copy into it).
+        one_tile = (S and plan.N and L and plan.nb >= plan.N and plan.nr >= L
+                    and work == query.dtype)
+        out = None if one_tile else (torch.empty if S else torch.zeros)(
+            plan.N, L, plan.Ev, dtype=query.dtype, device=dev)
         with _no_autocast(dev):
             for n0, n1 in plan.batch_tiles():
-                kt = _take(k, plan.ki, n0, n1).to(work)
-                vt = _take(v, plan.vi, n0, n1).to(work)
+                kt = _to(_take(k, plan.ki, n0, n1), work)
+                vt = _to(_take(v, plan.vi, n0, n1), work)
                 qb = _take(q, plan.qi, n0, n1)
                 for r0, r1 in plan.row_tiles():
                     ke = plan.keys(r0, r1, is_causal)
-                    p = _probs(qb[:, r0:r1].to(work) * scale, kt[:, :ke], mask, is_causal,
-                               n0, n1, r0, r1)
+                    p = _probs(_to(_row_tile(qb, r0, r1), work) * scale, _cols(kt, ke), mask,
+                               is_causal, n0, n1, r0, r1)
                     if drop is not None:
                         p.mul_(drop.keep(n0, n1, r0, r1, ke))
-                    o = torch.bmm(p, vt[:, :ke])
-                    out[n0:n1, r0:r1] = o if drop is None else o.mul_(drop.scale)
+                    o = torch.bmm(p, _cols(vt, ke))
+                    if drop is not None:
+                        o.mul_(drop.scale)
+                    if out is None:
+                        out = o
+                    else:
+                        out[n0:n1, r0:r1] = o
                     del p, o
         out = out.reshape(*plan.out_batch, L, plan.Ev)
 
@@ -590,24 +618,25 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         dm = _MaskGrad(attn_mask, plan.out_batch, work) if need_m else None
         with _no_autocast(dev):
             for n0, n1 in plan.batch_tiles():
-                kt = _take(k, plan.ki, n0, n1).to(work)
+                kt = _to(_take(k, plan.ki, n0, n1), work)
                 qb = _take(q, plan.qi, n0, n1)
-                vt = _take(v, plan.vi, n0, n1).to(work) if v is not None else None
+                vt = _to(_take(v, plan.vi, n0, n1), work) if v is not None else None
                 dkt = torch.zeros_like(kt) if need_k else None
                 dvt = torch.zeros(n1 - n0, S, Ev, dtype=work, device=dev) if need_v else None
                 for r0, r1 in plan.row_tiles():
                     ke = plan.keys(r0, r1, is_causal)
-                    qs = qb[:, r0:r1].to(work) * scale
-                    kk = kt[:, :ke]
+                    qs = _to(_row_tile(qb, r0, r1), work) * scale
+                    kk = _cols(kt, ke)
                     p = _probs(qs, kk, mask, is_causal, n0, n1, r0, r1)
                     keep = drop.keep(n0, n1, r0, r1, ke) if drop is not None else None
-                    g = go[n0:n1, r0:r1].to(work)
+                    g = _to(_row_tile(_take(go, None, n0, n1), r0, r1), work)
                     if drop is not None:  # dropout's 1 / (1 - p) rides on dO (not in place:
                         g = g * drop.scale  # g may be a view of grad_out)
                     if need_v:  # dV = (P * M)^T dO
-                        dvt[:, :ke].baddbmm_((p if keep is None else p * keep).transpose(1, 2), g)
+                        _cols(dvt, ke).baddbmm_((p if keep is None else p * keep).transpose(1, 2),
+                                                g)
                     if need_q or need_k or need_m:
-                        dp = torch.bmm(g, vt[:, :ke].transpose(1, 2))
+                        dp = torch.bmm(g, _cols(vt, ke).transpose(1, 2))
                         if keep is not None:
                             dp.mul_(keep)
                         ds = dp.mul_(p)  # dS = P * (dP - D), D = rowsum(P * dP), in dP's memory
@@ -616,18 +645,19 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                         if need_m:  # the mask is added to the scaled scores: dMask = dS
                             dm.add(n0, n1, r0, r1, ds)
                         if need_q:
-                            _accumulate(dq[:, r0:r1], plan.qi, n0, n1,
+                            _accumulate(_row_tile(dq, r0, r1), plan.qi, n0, n1,
                                         torch.bmm(ds, kk).mul_(scale))
                         if need_k:
-                            dkt[:, :ke].baddbmm_(ds.transpose(1, 2), qs)  # qs carries the scale
+                            # qs carries the scale
+                            _cols(dkt, ke).baddbmm_(ds.transpose(1, 2), qs)
                         del ds, dp
                 if need_k:
                     _accumulate(dk, plan.ki, n0, n1, dkt)
                 if need_v:
                     _accumulate(dv, plan.vi, n0, n1, dvt)
-        gq = dq.reshape(qc.shape).to(q_dtype) if need_q else None
-        gk = dk.reshape(kc.shape).to(k_dtype) if need_k else None
-        gv = dv.reshape(vshape).to(v_dtype) if need_v else None
+        gq = _to(dq.reshape(qc.shape), q_dtype) if need_q else None
+        gk = _to(dk.reshape(kc.shape), k_dtype) if need_k else None
+        gv = _to(dv.reshape(vshape), v_dtype) if need_v else None
         gm = dm.result() if need_m else None
         return (gq, gk, gv, gm) + (None,) * 8
 
