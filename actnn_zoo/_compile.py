@@ -8,6 +8,11 @@ import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Bound once: the wrappers below run around every saved tensor and hook call, and the name
+# lookups ``torch.compiler.is_compiling`` cost as much as the call (dynamo knows the function by
+# identity, so tracing still sees ``is_compiling()`` as True).
+_is_compiling = torch.compiler.is_compiling
+
 
 def eager(fn: F) -> F:
     """``fn``, run eagerly when called while ``torch.compile`` traces.
@@ -23,7 +28,7 @@ def eager(fn: F) -> F:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
 
@@ -47,7 +52,7 @@ class EagerHook:
         self._disabled = torch.compiler.disable(fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             if args and inline_compiling(args[0]):
                 return None  # actnn_zoo.compile: no per-layer bookkeeping in its graph
             return self._disabled(*args, **kwargs)
@@ -87,7 +92,7 @@ def inline_compiling(module: Any) -> bool:
     """True while ``torch.compile`` traces ``module`` for :func:`actnn_zoo.compile` (its
     saves are compressed by the graph, so the module runs its plain torch forward and every
     host-side hook of the library steps aside)."""
-    if not torch.compiler.is_compiling():
+    if not _is_compiling():
         return False
     switch = getattr(module, INLINE_ATTR, None)
     return switch is not None and switch.on
