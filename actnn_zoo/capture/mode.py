@@ -26,6 +26,7 @@ __all__ = ["CaptureMode", "call_unrouted", "in_routed_segment", "routed_segment"
 # A constant plain tensor for has_torch_function, which consults modes only when it is given a
 # tensor (with no arguments it answers False whatever is on the mode stack).
 _PLAIN = (torch.empty(0),)
+_grad_enabled = torch.is_grad_enabled
 
 
 # Set while a checkpointed segment runs under checkpoint_context's forward context: its
@@ -60,13 +61,16 @@ class CaptureMode(TorchFunctionMode):
         super().__init__()
         self.session = session
         self.table = table
+        self._lookup = table.get  # bound once: the mode's every call looks up
         self.in_segments = in_segments
         # the store told whether the last call the mode saw ran under no_grad (see below)
         self._store = getattr(session, "store", None)
 
     def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        grad = torch.is_grad_enabled()
+        # Every torch call and tensor attribute read of the forward lands here: the unlisted
+        # ones (almost all) take the shortest path, one table lookup and the call.
+        grad = _grad_enabled()
         store = self._store
         if store is not None:
             # A custom autograd Function's forward runs under no_grad, and it saves right
@@ -74,12 +78,12 @@ class CaptureMode(TorchFunctionMode):
             # between, is a custom Function's (a re-entrant checkpoint saving its segment's
             # inputs, DeepSpeed's or Megatron's as well as torch's): tier 3 keeps it exact.
             store.after_no_grad = not grad
-        if func is _capture_is_innermost:
-            return True
-        kwargs = kwargs or {}
-        handler = self.table.get(func)
+        handler = self._lookup(func)
         if handler is None or not grad:
-            return func(*args, **kwargs)
+            if func is _capture_is_innermost:  # never listed in the table
+                return True
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         if not self.in_segments and not _ROUTED_SEGMENT.get() and inside_checkpoint():
             return func(*args, **kwargs)
         return handler(self.session, func, args, kwargs)
@@ -87,7 +91,9 @@ class CaptureMode(TorchFunctionMode):
 
 def _capture_is_innermost() -> bool:
     """Asked through the innermost torch function mode: the capture mode answers True, any
-    other mode runs this function, which answers False."""
+    other mode runs this function, which answers False. A Python function, not a torch op: a
+    mode that runs it must not hand it on to the modes below (a torch op would reach the
+    capture mode next, which would answer True)."""
     return False
 
 
