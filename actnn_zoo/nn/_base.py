@@ -40,8 +40,14 @@ def same_forward(cls: type, base: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, base) and cls.forward is base.forward
 
 
+# Bound once (every Q-layer call runs QModule.__call__): the lookups cost as much as the calls.
+_nn_call = nn.Module.__call__
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
 def _module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return nn.Module.__call__(module, *args, **kwargs)
+    return _nn_call(module, *args, **kwargs)
 
 
 class QModule:
@@ -73,17 +79,18 @@ class QModule:
         # Under a capture session, a layer that saves through its own Function runs with the
         # capture mode off the stack: nothing it does needs routing, and the mode would cost a
         # Python call per torch call and attribute read (capture/mode.py, call_unrouted).
-        if not torch.compiler.is_compiling() and active_session() is not None \
-                and self.quantizing():
+        if not _is_compiling() and active_session() is not None and self.quantizing():
             return call_unrouted(_module_call, self, *args, **kwargs)
-        return nn.Module.__call__(self, *args, **kwargs)
+        return _nn_call(self, *args, **kwargs)
 
     def quantizing(self) -> bool:
         """True when the next forward should save compressed tensors (training with grad)
         through the layer's own Function: not while :func:`actnn_zoo.compile` traces it (the
         compiled graph compresses what the plain forward saves)."""
-        return (self.training and self.qconfig.enabled and torch.is_grad_enabled()
-                and not inline_compiling(self))
+        # asked a few times per call (the call, the forward, a precision strategy's hook):
+        # inline_compiling only when compiling at all
+        return (self.training and self.qconfig.enabled and _grad_enabled()
+                and not (_is_compiling() and inline_compiling(self)))
 
     def bits_for(self, x: Tensor) -> Bits:
         """The width(s) for input ``x``: per-sample widths when they fit its batch, else bits.
