@@ -66,9 +66,10 @@ class CaptureStats:
 
     ``routed``: functional calls tier 2 sent to the zoo's Functions, by name. ``compressed`` /
     ``compressed_bytes``: tensors tier 3 compressed and their original size; ``shared``: saves
-    answered from the store (a tensor compressed once and saved again); ``derived``: dropout
-    outputs tier 3 kept as their input's payload and the dropout's mask
-    (:meth:`CompressedStore.derive`, no byte of their own); ``passed``: tensors left as they
+    answered from the store (a tensor compressed once and saved again); ``derived`` /
+    ``derived_bytes``: dropout outputs tier 3 kept as their input's payload and the dropout's
+    mask (:meth:`CompressedStore.derive`, no byte of their own) and their original size;
+    ``passed``: tensors left as they
     are, by reason, with their bytes.
     """
 
@@ -77,6 +78,7 @@ class CaptureStats:
     compressed_bytes: int = 0
     shared: int = 0
     derived: int = 0
+    derived_bytes: int = 0
     passed: Dict[str, List[int]] = field(default_factory=dict)  # reason -> [count, bytes]
 
     def _pass(self, reason: str, t: Tensor) -> None:
@@ -561,6 +563,7 @@ class CompressedStore:
             derived = self._derived_for(t)
             if derived is not None:
                 stats.derived += 1
+                stats.derived_bytes += t.numel() * t.element_size()
                 return _Compressed(derived, tuple(range(t.dim())))
         x = t.detach().permute(perm)
         if t.dtype == torch.bool:

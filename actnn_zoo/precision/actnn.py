@@ -36,7 +36,9 @@ Two levels, both solved on the tensors' device (``solver``):
 The realised average over all compressed values is then at most the budget: the Q-layers'
 and what the capture tiers compress (``capture_bits``), whose values of the last captured
 forward are counted at the tiers' width like a pinned layer's (``_capture_load``; a model
-whose tiers save at 4 bits under a 3-bit budget leaves its free layers less than 3). Exception:
+whose tiers save at 4 bits under a 3-bit budget leaves its free layers less than 3), and the
+dropout outputs tier 3 keeps as their input's payload (``CompressedStore.derive``) at 0 bits:
+saved values that cost no byte of their own, whose budget goes to the free layers. Exception:
 until the first re-allocation applies (steps 1 and 2) every free layer uses the budget itself,
 so pinned layers and tiers wider than the budget are not yet compensated.
 
@@ -388,15 +390,18 @@ class ActNNStrategy(PrecisionStrategy):
         """A root training forward is running on this thread (its layer calls count)."""
         return self.local.forward is not None
 
-    def _capture_load(self) -> Tuple[float, int]:
-        """(values, width) the capture tiers compressed in the root's last captured forward;
-        (0, 0) without capture or before its first forward. Values are the tensors' bytes / 4
-        (fp32); a tensor in a narrower dtype is over-counted, which only lowers the free
-        layers' share when the tiers are wider than the budget."""
+    def _capture_load(self) -> Tuple[float, int, float]:
+        """(values, width) the capture tiers compressed in the root's last captured forward,
+        and the values they kept at no cost of their own (derived dropout outputs); (0, 0, 0)
+        without capture or before its first forward. Values are the tensors' bytes / 4 (fp32);
+        a tensor in a narrower dtype is over-counted, which only lowers the free layers' share
+        when the tiers are wider than the budget (and a derived one's raises it a little)."""
         capture = vars(self._root).get(CAPTURE_ATTR) if self._root is not None else None
         if not isinstance(capture, Capture) or capture.last_stats is None:
-            return 0.0, 0
-        return capture.last_stats.compressed_bytes / 4.0, int(capture.qconfig.bits)
+            return 0.0, 0, 0.0
+        stats = capture.last_stats
+        return (stats.compressed_bytes / 4.0, int(capture.qconfig.bits),
+                stats.derived_bytes / 4.0)
 
     def reallocate(self) -> None:
         """Per-layer average widths from the statistics of the last forward / backward; they
@@ -404,7 +409,7 @@ class ActNNStrategy(PrecisionStrategy):
         # every call of a layer saved its own tensor: stats.values counts them all
         seen = [w for w in self.watched if w.stats.values > 0]
         free = [w for w in seen if w.pinned_bits is None]
-        cap_values, cap_bits = self._capture_load()
+        cap_values, cap_bits, derived_values = self._capture_load()
         free_values = sum(w.stats.values for w in free)
         if not free_values:
             return
@@ -415,6 +420,7 @@ class ActNNStrategy(PrecisionStrategy):
                      for w in seen if w.pinned_bits is not None)
         if cap_values:
             excess += (cap_bits - self.budget) * cap_values
+        excess -= self.budget * derived_values  # saved at 0 bits of their own
         b_free = self.budget - excess / free_values
         if b_free < 1.0 and not self._warned:
             self._warned = True
