@@ -11,6 +11,7 @@
 // end on a byte boundary, so no two tasks write the same byte.
 #include "kernels.h"
 #include "bf16.h"
+#include "division_checks.h"
 #include "codes_cpu.h"
 #include "isa_cpu.h"
 
@@ -234,14 +235,11 @@ void dequantize_impl(const uint8_t* data, const Geometry& g, const uint8_t* bits
   }); });
 }
 
+// The rows' layout (division_checks.h) and, on the host, their values: each width valid, each
+// row inside the buffer and after the previous one.
 void check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n, int64_t d,
                 int64_t nbytes) {
-  TORCH_CHECK(bits.scalar_type() == at::kByte && bits.dim() == 1 && bits.size(0) == n &&
-                  bits.is_contiguous(),
-              "bits must be a contiguous (N,) uint8 tensor");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
-                  offsets.size(0) == n + 1 && offsets.is_contiguous(),
-              "offsets must be a contiguous (N + 1,) int64 tensor");
+  division_checks::check_row_layout(bits, offsets, n);
   const uint8_t* b = bits.data_ptr<uint8_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
@@ -254,23 +252,14 @@ void check_rows(const at::Tensor& bits, const at::Tensor& offsets, int64_t n, in
                     " bytes)");
 }
 
-void check_x5(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 5, name, " must be 5-d (N, C, D1, D2, D3), got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  const auto st = t.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, name,
-              " must be float32, float16 or bfloat16, got ", st);
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize_cpu(
     const at::Tensor& x5, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t block, bool has_low, int64_t seed, bool stochastic) {
   TORCH_CHECK(x5.device().is_cpu(), "x5 must be a CPU tensor");
-  check_x5(x5, "x5");
-  TORCH_CHECK_VALUE(block >= 1, "block must be >= 1, got ", block);
-  TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
+  division_checks::check_x5(x5, "x5");
+  division_checks::check_block_total(block, total);
   const Geometry g(x5.sizes(), block);
   check_rows(bits, offsets, g.n, g.c * g.s, total);
   auto opts = x5.options();
@@ -302,22 +291,11 @@ at::Tensor division_dequantize_cpu(const at::Tensor& data, const at::Tensor& low
                                    const at::Tensor& bits, const at::Tensor& offsets,
                                    int64_t block, bool has_low, at::Tensor& out) {
   TORCH_CHECK(out.device().is_cpu(), "out must be a CPU tensor");
-  check_x5(out, "out");
-  TORCH_CHECK_VALUE(block >= 1, "block must be >= 1, got ", block);
+  division_checks::check_x5(out, "out");
+  division_checks::check_block_total(block, 0);
   const Geometry g(out.sizes(), block);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be uint8");
+  division_checks::check_payload(data, low, lo, step, has_low, g.n * g.c, g.nblocks);
   check_rows(bits, offsets, g.n, g.c * g.s, data.numel());
-  TORCH_CHECK(lo.scalar_type() == at::kFloat && lo.numel() == g.n * g.c && lo.is_contiguous(),
-              "lo must be a contiguous float32 (N, C) tensor");
-  TORCH_CHECK(step.scalar_type() == at::kBFloat16 && step.numel() == g.n * g.c &&
-                  step.is_contiguous(),
-              "step must be a contiguous bfloat16 (N, C) tensor");
-  if (has_low) {
-    TORCH_CHECK(low.scalar_type() == at::kBFloat16 && low.is_contiguous() &&
-                    low.numel() == g.n * g.c * g.nblocks,
-                "low must be a contiguous bfloat16 tensor of ", g.n * g.c * g.nblocks,
-                " block means");
-  }
   if (out.numel() == 0) return out;
   const uint16_t* low_p =
       has_low ? reinterpret_cast<const uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr;
@@ -368,6 +346,8 @@ at::Tensor division_dequantize(const at::Tensor& data, const at::Tensor& low,
     TORCH_CHECK(t->device() == out.device(), "all tensors of one call must be on ",
                 out.device());
   }
+  TORCH_CHECK(!has_low || low.device() == out.device(), "all tensors of one call must be on ",
+              out.device());
   if (out.device().is_cpu()) {
     return division_dequantize_cpu(data, low, lo, step, bits, offsets, block, has_low, out);
   }

@@ -13,6 +13,7 @@
 // Like quant_cuda.cu the kernels trust the per-sample widths and offsets that live on the GPU
 // (reading them back would synchronise): an invalid width stores nothing, every store is
 // clipped to the buffer. ACTNN_ZOO_DEBUG=1 checks them on the host first (actnn_zoo.quant.api).
+#include "division_checks.h"
 #include "kernels.h"
 
 // c10/cuda only (as quant_cuda.cu): ATen/cuda/CUDAContext.h pulls in cuSPARSE / cuBLAS headers
@@ -175,13 +176,13 @@ Geo geometry(at::IntArrayRef s, int64_t block) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize_cuda(
     const at::Tensor& x5, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t block, bool has_low, int64_t seed, bool stochastic) {
-  TORCH_CHECK(x5.is_cuda() && x5.dim() == 5 && x5.is_contiguous(),
-              "x5 must be a contiguous 5-d CUDA tensor");
-  TORCH_CHECK(bits.scalar_type() == at::kByte && offsets.scalar_type() == at::kLong,
-              "bits must be uint8 and offsets int64");
-  TORCH_CHECK_VALUE(block >= 1 && total >= 0, "block must be >= 1 and total >= 0");
+  // the CPU twin's checks (division_checks.h), less the widths' and offsets' values
+  TORCH_CHECK(x5.is_cuda(), "x5 must be a CUDA tensor");
+  division_checks::check_x5(x5, "x5");
+  division_checks::check_block_total(block, total);
   const Geo g = geometry(x5.sizes(), block);
   const int64_t n = x5.size(0);
+  division_checks::check_row_layout(bits, offsets, n);
   auto opts = x5.options();
   at::Tensor words = at::zeros({(total + 3) / 4}, opts.dtype(at::kInt));
   at::Tensor data = words.view(at::kByte).narrow(0, 0, total);
@@ -215,12 +216,13 @@ at::Tensor division_dequantize_cuda(const at::Tensor& data, const at::Tensor& lo
                                     const at::Tensor& lo, const at::Tensor& step,
                                     const at::Tensor& bits, const at::Tensor& offsets,
                                     int64_t block, bool has_low, at::Tensor& out) {
-  TORCH_CHECK(out.is_cuda() && out.dim() == 5 && out.is_contiguous(),
-              "out must be a contiguous 5-d CUDA tensor");
-  TORCH_CHECK(lo.scalar_type() == at::kFloat && step.scalar_type() == at::kBFloat16,
-              "lo must be float32 and step bfloat16");
-  TORCH_CHECK_VALUE(block >= 1, "block must be >= 1");
+  // the CPU twin's checks (division_checks.h), less the widths' and offsets' values
+  TORCH_CHECK(out.is_cuda(), "out must be a CUDA tensor");
+  division_checks::check_x5(out, "out");
+  division_checks::check_block_total(block, 0);
   const Geo g = geometry(out.sizes(), block);
+  division_checks::check_payload(data, low, lo, step, has_low, out.size(0) * g.c, g.nblocks);
+  division_checks::check_row_layout(bits, offsets, out.size(0));
   if (out.numel() == 0) return out;
   auto stream = c10::cuda::getCurrentCUDAStream();
   const uint16_t* low_p =

@@ -315,6 +315,25 @@ cases += [("dequantize", dgood, i, bad, label) for i, bad, label in [
     (6, torch.empty(4, 100, device=DEV, dtype=torch.float64), "out float64"),
     (6, torch.empty(100, 4, device=DEV).t(), "out not contiguous"),
     (6, torch.empty(4, 100), "out on cpu")]]
+# DIVISION: the CPU twin's checks (cpp_ext/division_checks.h), less the rows' values
+x5 = torch.randn(2, 3, 4, 4, 1, device=DEV)
+b2 = torch.full((2,), 2, dtype=torch.uint8)
+off2 = R.row_offsets(48, b2)
+t2 = int(off2[-1])
+b2, off2 = b2.to(DEV), off2.to(DEV)
+vgood = [x5, b2, off2, t2, 2, True, 0, True]
+cases += [("division_quantize", vgood, i, bad, label) for i, bad, label in [
+    (0, x5.double(), "x5 float64"), (0, x5.reshape(2, 3, 16), "x5 3-d"),
+    (0, x5.transpose(2, 3), "x5 not contiguous"), (1, b2[:1], "bits too short"),
+    (1, b2.cpu(), "bits on cpu"), (2, off2.int(), "offsets int32"), (3, -1, "total < 0"),
+    (4, 0, "block 0")]]
+vdata, vlow, vlo, vstep = _C.division_quantize(*vgood)
+vdgood = [vdata, vlow, vlo, vstep, b2, off2, 2, True, torch.empty_like(x5)]
+cases += [("division_dequantize", vdgood, i, bad, label) for i, bad, label in [
+    (1, vlow[:1], "low shape"), (2, vlo[:1], "lo shape"), (3, vstep.float(), "step float32"),
+    (4, b2[:1], "bits too short"), (5, off2.cpu(), "offsets on cpu"),
+    (8, torch.empty(2, 3, 16, device=DEV), "out 3-d"), (8, torch.empty_like(x5.cpu()),
+                                                         "out on cpu")]]
 cases += [("pack_mask", [torch.ones(8, dtype=torch.uint8, device=DEV)], None, None, "uint8 mask"),
           ("unpack_mask", [torch.zeros(2, dtype=torch.uint8, device=DEV), 17], None, None,
            "17 values in 2 bytes")]
@@ -349,7 +368,7 @@ def test_bad_arguments_raise():
                                   f"{started[-1] if started else 'set-up'}: "
                                   f"{proc.stderr[-2000:]}")
     assert not [ln for ln in lines if ln.startswith("NO ERROR")], lines
-    assert len([ln for ln in lines if ln.startswith("raised ")]) == len(started) == 24, lines
+    assert len([ln for ln in lines if ln.startswith("raised ")]) == len(started) == 39, lines
     assert lines[-1] == "done"
 
 

@@ -422,3 +422,46 @@ def test_rule_sets_the_compressor_per_layer():
     assert model.conv1.qconfig.compressor == "division"
     assert model.conv1.qconfig.division_block == 4
     assert model.conv2.qconfig.compressor == "quant"
+
+
+def _kernel_cases():
+    """Bad arguments for the extension's DIVISION entries, one per check of
+    cpp_ext/division_checks.h (shared with the CUDA entries; tests/test_cuda.py runs the same
+    cases there), each as (entry, good arguments, index, bad value)."""
+    from actnn_zoo.quant import reference as R
+
+    x5 = torch.randn(2, 3, 4, 4, 1)
+    b = torch.full((2,), 2, dtype=torch.uint8)
+    off = R.row_offsets(48, b)
+    q = [x5, b, off, int(off[-1]), 2, True, 0, True]
+    cases = [("division_quantize", q, i, bad) for i, bad in [
+        (0, x5.double()), (0, x5.reshape(2, 3, 16)), (0, x5.transpose(2, 3)), (1, b[:1]),
+        (2, off.int()), (3, -1), (4, 0)]]
+    data, low, lo, step = _ext().division_quantize(*q)
+    d = [data, low, lo, step, b, off, 2, True, torch.empty_like(x5)]
+    cases += [("division_dequantize", d, i, bad) for i, bad in [
+        (1, low[:1]), (2, lo[:1]), (3, step.float()), (4, b[:1]),
+        (8, torch.empty(2, 3, 16))]]
+    return cases
+
+
+def _ext():
+    from actnn_zoo.quant import backend
+
+    ext = backend.extension()
+    if ext is None or not hasattr(ext, "division_quantize"):
+        pytest.skip("the compiled extension is not built")
+    return ext
+
+
+def test_kernel_entries_reject_bad_arguments():
+    """Every bad argument raises a clear error (never a crash or a silent result), and the good
+    ones pass, on the CPU kernels; the CUDA entries run the same shared checks."""
+    ext = _ext()
+    cases = _kernel_cases()
+    ext.division_dequantize(*cases[-1][1])  # the good arguments work
+    for entry, good, i, bad in cases:
+        args = list(good)
+        args[i] = bad
+        with pytest.raises((RuntimeError, ValueError)):
+            getattr(ext, entry)(*args)
