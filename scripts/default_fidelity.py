@@ -223,9 +223,14 @@ def plot(directory: Path, out: Path) -> str:
            for n, r in recs.items() if r["steps"] == 300 and r["seed"] == 0
            and (r["candidate"] in ("t2.75", "default", "t3.75", "t4.5"))]
     long = []
-    for cand, label in (("t3.25_attnlin4", "new default"),
-                        ("t3.25", "new default without attention linears")):
-        rs = [r for r in recs.values() if r["candidate"] == cand and r["steps"] == 1000]
+    # the default now: the probabilities saved once (its runs in their own directory)
+    now = {r["name"]: r for r in map(load, sorted(
+        (ROOT / "results" / "default_fidelity_derived").glob("text_default_1000st_s*.json")))}
+    for cand, label, pool in (("t3.25_attnlin4", "first new default", recs),
+                              ("t3.25", "first new default without attention linears", recs),
+                              ("t3.375_ln4_head4", "second default", recs),
+                              ("default", "the default now", now)):
+        rs = [r for r in pool.values() if r["candidate"] == cand and r["steps"] == 1000]
         if rs:
             vs = statistics.fmean(100 * (r["val_loss"] / recs[f"text_fp32_1000st_s{r['seed']}"]
                                          ["val_loss"] - 1) for r in rs)
