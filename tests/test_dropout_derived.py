@@ -14,10 +14,9 @@ from torch import nn
 
 import actnn_zoo as az
 from actnn_zoo.memory import saved_activation_bytes
-from actnn_zoo.quant import quantize
+from actnn_zoo.quant import pack_mask, quantize
 from actnn_zoo.quant.division import decompress
 from actnn_zoo.quant.tensor import MaskedPayload
-from actnn_zoo.quant import pack_mask
 
 P = 0.25
 

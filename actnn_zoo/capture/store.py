@@ -48,6 +48,7 @@ from .._torch_private import (inside_checkpoint, saved_by_checkpoint, tensor_bas
 from ..config import LayerQConfig
 from ..functional._saving import quantizer_for
 from ..quant import Bits, QuantizedTensor, pack_mask, quantize, unpack_mask
+from ..quant.api import dropout_scale
 from ..quant.sparse import quantize_sparse
 from ..quant.tensor import MaskedPayload, SparseQuantizedTensor
 from ..quant.division import Payload, decompress, uses_division
@@ -69,8 +70,7 @@ class CaptureStats:
     answered from the store (a tensor compressed once and saved again); ``derived`` /
     ``derived_bytes``: dropout outputs tier 3 kept as their input's payload and the dropout's
     mask (:meth:`CompressedStore.derive`, no byte of their own) and their original size;
-    ``passed``: tensors left as they
-    are, by reason, with their bytes.
+    ``passed``: tensors left as they are, by reason, with their bytes.
     """
 
     routed: Dict[str, int] = field(default_factory=dict)
@@ -278,9 +278,9 @@ class CompressedStore:
         self._kept: Dict[int, "weakref.ref[Tensor]"] = {}
         self._saving: Dict[int, Tensor] = {}  # the tensors keep() was just given, by id
         self._cache: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
-        # the last plain payload made of each memory (any settings), for derive(); and the
-        # dropout outputs derive() answers, by flat key
-        self._latest: Dict[tuple, Tuple["weakref.ref[Tensor]", Payload]] = {}
+        # the cache key of the last plain payload made of each memory (any settings), for
+        # derive(); and the dropout outputs derive() answers, by flat key
+        self._latest: Dict[tuple, tuple] = {}
         self._derived: Dict[tuple, Tuple["weakref.ref[Tensor]", MaskedPayload]] = {}
         # ReLU-code sharing: ReLU outputs offered (mask saved, learning) and claimed (codes
         # wanted), by memory key; the probe of hooks_innermost
@@ -350,24 +350,23 @@ class CompressedStore:
         # The entry goes when the owner does: the payload then lives exactly as long as the
         # saved objects autograd keeps, so nothing outlives its backward, also when one
         # store spans several micro-batches (``capturing`` around gradient accumulation).
-        ref = weakref.ref(owner, functools.partial(_evict, self._cache, key))
-        self._cache[key] = (ref, q)
+        self._cache[key] = (weakref.ref(owner, functools.partial(_evict_cached, self._cache,
+                                                                 self._latest, key)), q)
         if kind == "quant":
-            self._latest[key[:6]] = (weakref.ref(owner, functools.partial(
-                _evict, self._latest, key[:6])), q)
+            self._latest[key[:6]] = key
         return q
 
     @_eager
-    def derive(self, out: Tensor, x: Tensor, mask: Tensor, scale: float) -> None:
-        """A dropout made ``out = x * mask * scale`` (``mask``: its packed keep bits of ``x``,
-        row-major; ``scale``: ``1 / (1 - p)`` in ``out``'s dtype). When ``x`` was compressed
+    def derive(self, out: Tensor, x: Tensor, mask: Tensor, p: float) -> None:
+        """A dropout made ``out = x * mask / (1 - p)`` (``mask``: its packed keep bits of
+        ``x``, row-major; the scale rounded to ``out``'s dtype). When ``x`` was compressed
         in this forward with one width and no transform (a softmax's probabilities), a later
         tier-3 save of ``out`` is answered with that payload and the mask
         (:class:`~actnn_zoo.quant.tensor.MaskedPayload`): no bytes of its own, unbiased. Only
         for contiguous ``x`` and ``out`` of one dtype, unchanged since."""
         if not (x.is_contiguous() and out.is_contiguous() and x.dtype == out.dtype):
             return
-        hit = self._latest.get(_memory_key(x))
+        hit = self._cache.get(self._latest.get(_memory_key(x)))  # type: ignore[arg-type]
         q = hit[1] if hit is not None and hit[0]() is not None else None
         if not (isinstance(q, QuantizedTensor) and q.bits is not None
                 and q.transform == "none" and q.shape == x.shape):
@@ -375,7 +374,7 @@ class CompressedStore:
         key = _flat_key(out)
         owner = tensor_base(out) if tensor_base(out) is not None else out
         self._derived[key] = (weakref.ref(owner, functools.partial(_evict, self._derived, key)),
-                              MaskedPayload(q, mask, scale, out.shape))
+                              MaskedPayload(q, mask, dropout_scale(out.dtype, p), out.shape))
 
     @_eager
     def offer(self, x: Tensor, slot: ZeroCodeSlot) -> None:
@@ -600,6 +599,15 @@ class CompressedStore:
 def _evict(cache: Dict[tuple, Any], key: tuple, _ref: Any) -> None:
     """Weak-reference callback: the owner of a cached payload's memory is gone."""
     cache.pop(key, None)
+
+
+def _evict_cached(cache: Dict[tuple, Any], latest: Dict[tuple, tuple], key: tuple,
+                  _ref: Any) -> None:
+    """:func:`_evict` for the compress-once cache, which also forgets ``key`` as its memory's
+    latest payload."""
+    cache.pop(key, None)
+    if latest.get(key[:6]) == key:
+        del latest[key[:6]]
 
 
 # Autograd nodes that pass a tensor's values through unchanged or only cast or re-view them:

@@ -117,6 +117,7 @@ from ..quant.hash32 import fmix32_int32_ as _fmix32_  # int32, in place: ~4x int
 from ._autocast import no_autocast as _no_autocast
 from ._saving import compress, load, restore, save
 from .activation import no_double_backward
+from .linear import cast
 
 __all__ = ["ScaledDotProductAttentionFunction", "scaled_dot_product_attention",
            "attention_dropout_mask", "BLOCK_ELEMENTS"]
@@ -313,8 +314,8 @@ def _take(flat: Tensor, index: Optional[Tensor], n0: int, n1: int) -> Tensor:
 
 
 # The helpers below skip the torch call where it would give back its input (a slice over the
-# whole dim, a cast to the dtype it has): small shapes run one tile, and each call is a
-# dispatch of a microsecond or more for nothing.
+# whole dim; ``linear.cast`` does the same for a cast to the dtype a tensor has): small shapes
+# run one tile, and each call is a dispatch of a microsecond or more for nothing.
 def _cols(t: Tensor, stop: int) -> Tensor:
     """``t[:, :stop]``."""
     return t if stop == t.shape[1] else t[:, :stop]
@@ -323,11 +324,6 @@ def _cols(t: Tensor, stop: int) -> Tensor:
 def _row_tile(t: Tensor, r0: int, r1: int) -> Tensor:
     """``t[:, r0:r1]``."""
     return t if r0 == 0 and r1 == t.shape[1] else t[:, r0:r1]
-
-
-def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t.to(dtype)`` (``t`` itself when it has that dtype, as ``to`` returns it)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _Mask:
@@ -552,12 +548,12 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
             plan.N, L, plan.Ev, dtype=query.dtype, device=dev)
         with _no_autocast(dev):
             for n0, n1 in plan.batch_tiles():
-                kt = _to(_take(k, plan.ki, n0, n1), work)
-                vt = _to(_take(v, plan.vi, n0, n1), work)
+                kt = cast(_take(k, plan.ki, n0, n1), work)
+                vt = cast(_take(v, plan.vi, n0, n1), work)
                 qb = _take(q, plan.qi, n0, n1)
                 for r0, r1 in plan.row_tiles():
                     ke = plan.keys(r0, r1, is_causal)
-                    p = _probs(_to(_row_tile(qb, r0, r1), work) * scale, _cols(kt, ke), mask,
+                    p = _probs(cast(_row_tile(qb, r0, r1), work) * scale, _cols(kt, ke), mask,
                                is_causal, n0, n1, r0, r1)
                     if drop is not None:
                         p.mul_(drop.keep(n0, n1, r0, r1, ke))
@@ -618,18 +614,18 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         dm = _MaskGrad(attn_mask, plan.out_batch, work) if need_m else None
         with _no_autocast(dev):
             for n0, n1 in plan.batch_tiles():
-                kt = _to(_take(k, plan.ki, n0, n1), work)
+                kt = cast(_take(k, plan.ki, n0, n1), work)
                 qb = _take(q, plan.qi, n0, n1)
-                vt = _to(_take(v, plan.vi, n0, n1), work) if v is not None else None
+                vt = cast(_take(v, plan.vi, n0, n1), work) if v is not None else None
                 dkt = torch.zeros_like(kt) if need_k else None
                 dvt = torch.zeros(n1 - n0, S, Ev, dtype=work, device=dev) if need_v else None
                 for r0, r1 in plan.row_tiles():
                     ke = plan.keys(r0, r1, is_causal)
-                    qs = _to(_row_tile(qb, r0, r1), work) * scale
+                    qs = cast(_row_tile(qb, r0, r1), work) * scale
                     kk = _cols(kt, ke)
                     p = _probs(qs, kk, mask, is_causal, n0, n1, r0, r1)
                     keep = drop.keep(n0, n1, r0, r1, ke) if drop is not None else None
-                    g = _to(_row_tile(_take(go, None, n0, n1), r0, r1), work)
+                    g = cast(_row_tile(_take(go, None, n0, n1), r0, r1), work)
                     if drop is not None:  # dropout's 1 / (1 - p) rides on dO (not in place:
                         g = g * drop.scale  # g may be a view of grad_out)
                     if need_v:  # dV = (P * M)^T dO
@@ -655,9 +651,9 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                     _accumulate(dk, plan.ki, n0, n1, dkt)
                 if need_v:
                     _accumulate(dv, plan.vi, n0, n1, dvt)
-        gq = _to(dq.reshape(qc.shape), q_dtype) if need_q else None
-        gk = _to(dk.reshape(kc.shape), k_dtype) if need_k else None
-        gv = _to(dv.reshape(vshape), v_dtype) if need_v else None
+        gq = cast(dq.reshape(qc.shape), q_dtype) if need_q else None
+        gk = cast(dk.reshape(kc.shape), k_dtype) if need_k else None
+        gv = cast(dv.reshape(vshape), v_dtype) if need_v else None
         gm = dm.result() if need_m else None
         return (gq, gk, gv, gm) + (None,) * 8
 

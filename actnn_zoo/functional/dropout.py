@@ -18,6 +18,7 @@ from torch import Tensor
 from .._session import active_session
 from ._saving import load, save
 from ..quant import pack_compare
+from ..quant.api import dropout_scale
 from .activation import load_mask, masked_grad_in, memory_perm, to_memory_order
 
 __all__ = ["DropoutFunction", "dropout", "dropout1d", "dropout2d", "dropout3d"]
@@ -61,7 +62,7 @@ class DropoutFunction(torch.autograd.Function):
         if session is not None and ctx.elementwise and perm is None and not inplace:
             # a later save of ``out`` (a matmul's operand after softmax -> dropout) can be
             # answered with ``x``'s payload and this mask: no bytes of its own (store.derive)
-            session.store.derive(out, x, packed, _scale(noise.dtype, p))
+            session.store.derive(out, x, packed, p)
         return out
 
     @staticmethod
@@ -71,16 +72,11 @@ class DropoutFunction(torch.autograd.Function):
             # One fused pass (quant.masked_grad): grad * scale where kept, grad * 0.0 where
             # dropped (not +0: torch's grad * noise gives -0.0 and NaN there too), with the scale
             # rounded to the noise dtype as torch's ``mask.to(dtype).div_(1 - p)`` rounds it.
-            scale = _scale(ctx.noise_dtype, ctx.p)
+            scale = dropout_scale(ctx.noise_dtype, ctx.p)
             return masked_grad_in(grad, packed, ctx.mshape, ctx.perm, scale, 0.0), None, None, None
         # Feature dropout: the (N, C, 1, ...) noise is small and broadcasts in the product.
         noise = load_mask(packed, ctx.mshape, ctx.perm).to(ctx.noise_dtype).div_(1 - ctx.p)
         return grad * noise, None, None, None
-
-
-def _scale(dtype: torch.dtype, p: float) -> float:
-    """``1 / (1 - p)`` rounded to ``dtype``, as torch's ``mask.to(dtype).div_(1 - p)`` is."""
-    return torch.ones((), dtype=dtype).div_(1 - p).item()
 
 
 def _trivial(x: Tensor, p: float) -> bool:

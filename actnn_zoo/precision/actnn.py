@@ -30,8 +30,9 @@ Two levels, both solved on the tensors' device (``solver``):
   under that layer's width x batch size (``solver.allocate_samples``), handed to the layer as
   :class:`~actnn_zoo.quant.SampleBits` with that bound, so quantize sizes its buffer without
   reading the widths back. Samples are ranked by ``R_n ** gamma``. ActNN's ``gamma = 1``
-  assumes a sample's gradient does not depend on its range; in a classifier in training it falls with it (confident samples: wide activations,
-  tiny gradients), so gamma is refitted from the last recorded step (``_Watched.calibrate``).
+  assumes a sample's gradient does not depend on its range; in a classifier in training it
+  falls with it (confident samples: wide activations, tiny gradients), so gamma is refitted
+  from the last recorded step (``_Watched.calibrate``).
 
 The realised average over all compressed values is then at most the budget: the Q-layers'
 and what the capture tiers compress (``capture_bits``), whose values of the last captured

@@ -468,6 +468,13 @@ def _masked_grad_torch(grad: Tensor, packed: Tensor, on: Optional[float],
 _MASKED_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def dropout_scale(dtype: torch.dtype, p: float) -> float:
+    """``1 / (1 - p)`` rounded to ``dtype``, as torch's dropout computes its noise
+    (``mask.to(dtype).div_(1 - p)``): the ``on`` factor :func:`masked_grad` takes for dropout.
+    A 0-d CPU tensor of constants, read back (no device involved)."""
+    return torch.ones((), dtype=dtype).div_(1 - p).item()
+
+
 def masked_grad(grad: Tensor, packed: Tensor, on: Optional[float] = None,
                 off: Optional[float] = None) -> Tensor:
     """Backward of a layer that saved a 1-bit mask, in one pass over ``grad``.
