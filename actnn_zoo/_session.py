@@ -45,14 +45,13 @@ _OBSERVER: "contextvars.ContextVar[Optional[Callable[[Any], Any]]]" = contextvar
     "actnn_zoo_capture_observer", default=None)
 
 
-def active_session() -> Optional[Any]:
-    """The open :class:`~actnn_zoo.capture.CaptureSession` of this thread, or None."""
-    return _ACTIVE.get()
+# The two lookups below run for every Q-layer call and every save a Q-layer makes: bound
+# ContextVar.get methods, so each is one builtin call, not a Python frame and then the call.
+active_session: Callable[[], Optional[Any]] = _ACTIVE.get
+"""The open :class:`~actnn_zoo.capture.CaptureSession` of this thread, or None."""
 
-
-def current_observer() -> Optional[Callable[[Any], Any]]:
-    """The callable :class:`observing` installed in this context, or None."""
-    return _OBSERVER.get()
+current_observer: Callable[[], Optional[Callable[[Any], Any]]] = _OBSERVER.get
+"""The callable :class:`observing` installed in this context, or None."""
 
 
 class observing:

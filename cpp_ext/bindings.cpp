@@ -146,6 +146,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform(
                   stochastic);
 }
 
+// quantize_affine with one width, the layout made here (as quantize_uniform): a norm's
+// forward saves its normalized input through this once per call.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_uniform(
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
+    int64_t block, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
+  TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d, got ", x2d.dim(), " dims");
+  const int64_t n = x2d.size(0), d = x2d.size(1);
+  auto layout = uniform_layout(n, d, bits, 0, x2d.device());
+  return quantize_affine(x2d, shift, scale, row_stride, block, layout.first, layout.second,
+                         n * ((d * bits + 7) / 8), group_size, seed, stochastic);
+}
+
+// Per-sample widths as SampleBits promises them (CPU): every entry 1, 2, 4 or 8 and their sum
+// at most max_sum, checked in the loop that makes the row offsets (row_offsets' result). One
+// call where the checks took a bincount and a read-back per quantize.
+at::Tensor sample_offsets(int64_t d, const at::Tensor& bits, int64_t max_sum) {
+  TORCH_CHECK_VALUE(bits.dim() == 1 && bits.is_cpu() && bits.scalar_type() == at::kByte,
+                    "bits must be a 1-d uint8 CPU tensor");
+  TORCH_CHECK_VALUE(d >= 0, "d must be non-negative, got ", d);
+  const at::Tensor b = bits.contiguous();
+  const int64_t n = b.size(0);
+  at::Tensor out = at::empty({n + 1}, b.options().dtype(at::kLong));
+  const uint8_t* w = b.data_ptr<uint8_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  int64_t used = 0;
+  o[0] = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t v = w[r];
+    TORCH_CHECK_VALUE(v == 1 || v == 2 || v == 4 || v == 8,
+                      "SampleBits.bits entries must be in (1, 2, 4, 8), got ", v);
+    used += v;
+    o[r + 1] = o[r] + (v * d + 7) / 8;
+  }
+  TORCH_CHECK_VALUE(used <= max_sum, "SampleBits.bits sums to ", used, ", more than max_sum=",
+                    max_sum);
+  return out;
+}
+
 at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
                               const at::Tensor& step, int64_t bits, int64_t group_size,
                               int64_t first, at::Tensor out) {
@@ -231,6 +269,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_offsets", &row_offsets, nogil, py::arg("d"), py::arg("bits"),
         "(N + 1,) int64 byte offsets of rows of d codes at widths bits (N,), the last entry the "
         "total: what reference.row_offsets computes.");
+  m.def("quantize_affine_uniform", &quantize_affine_uniform, nogil, py::arg("x2d"),
+        py::arg("shift"), py::arg("scale"), py::arg("row_stride"), py::arg("block"),
+        py::arg("bits"), py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
+        "quantize_affine with one width for every row, rows back to back (the layout of "
+        "quantize_uniform, made here). CPU only.");
+  m.def("sample_offsets", &sample_offsets, nogil, py::arg("d"), py::arg("bits"),
+        py::arg("max_sum"),
+        "CPU: row_offsets of per-sample widths, raising ValueError unless every width is 1, 2, "
+        "4 or 8 and they sum to at most max_sum (the promises of quant.SampleBits).");
   m.def("quantize_uniform", &quantize_uniform, nogil, py::arg("x2d"), py::arg("bits"),
         py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
         "quantize with one width (1, 2, 4 or 8) for every row, rows back to back (total = "

@@ -11,6 +11,7 @@ and the extra microseconds per Q-module over fp32.
 
     .venv/bin/python scripts/bench_host_cost.py                      # every model
     .venv/bin/python scripts/bench_host_cost.py --models gpt2 --steps 40 --rounds 5
+    .venv/bin/python scripts/bench_host_cost.py --models resnet50 --count  # + calls and ops
 
 Models (random init, nothing downloaded):
   resnet50  torchvision ResNet-50, batch 2, 32x32 images, cross-entropy (torchvision from
@@ -43,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import actnn_zoo as az  # noqa: E402
-from actnn_zoo.bench import interleaved_step_times  # noqa: E402
+from actnn_zoo.bench import host_work, interleaved_step_times  # noqa: E402
 from actnn_zoo.nn._base import QModule  # noqa: E402
 
 MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint", "compiled-fp32",
@@ -166,6 +167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "compiled modes")
     p.add_argument("--warmup", type=int, default=15,
                    help="untimed steps per mode first (past the strategy's first allocations)")
+    p.add_argument("--count", action="store_true",
+                   help="also count each mode's Python calls and torch operators per step "
+                        "(actnn_zoo.bench.host_work: the same in every run, unlike the time)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -189,7 +193,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             vs = (f"{med[k] / med['compiled-fp32']:8.2f}" if k == "compiled"
                   and "compiled-fp32" in med else "")
             print(f"{k:13s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell} | {vs}")
+        if args.count:
+            _print_work(steps, modes, n_q)
     return 0
+
+
+def _print_work(steps: Dict[str, Callable[[], None]], modes: Sequence[str], n_q: int) -> None:
+    """Python calls and torch operators per step, and per Q-module over fp32's."""
+    work = {k: host_work(steps[k]) for k in modes}
+    base = work["fp32"]
+    print(f"{'mode':13s} | {'Python calls':>12s} | {'extra/Q-module':>14s} | {'aten ops':>8s} | "
+          f"{'extra/Q-module':>14s}")
+    for k in modes:
+        w = work[k]
+        per = (lambda a, b: f"{(a - b) / n_q:14.0f}") if n_q and k in OVERRIDES else \
+            (lambda a, b: " " * 14)
+        print(f"{k:13s} | {w.python_calls:12.0f} | {per(w.python_calls, base.python_calls)} | "
+              f"{w.aten_ops:8.0f} | {per(w.aten_ops, base.aten_ops)}")
 
 
 if __name__ == "__main__":

@@ -501,6 +501,38 @@ def test_dropout_kernel_equals_torch_program(seed, p, L, S, data):
     assert torch.equal(drop.keep(n0, n1, r0, r1, cols), drop.keep_torch(n0, n1, r0, r1, cols))
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nb=st.integers(0, 3), rows=st.integers(1, 9), cols=st.integers(1, 40),
+       causal=st.integers(-1, 12), masked=st.floats(0.0, 1.0), scale=st.floats(0.1, 60.0),
+       f64=st.booleans(), seed=st.integers(0, 2 ** 31 - 1))
+def test_fused_softmax_equals_torch_program(nb, rows, cols, causal, masked, scale, f64, seed):
+    """The compiled CPU softmax of _probs (one pass per row) gives the torch program's
+    probabilities: causal offsets of any tile, keys masked by -inf (whole rows too: zeros),
+    large scores (exp's floor), float32 and float64. Not bit for bit: the compiled exp and the
+    row sum round differently from torch's vectorised ones, by a few ulp."""
+    ext = compiled_extension("attention_softmax_")
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.float64 if f64 else torch.float32
+    s = (torch.randn(nb, rows, cols, generator=g, dtype=torch.float64) * scale).to(dt)
+    s[torch.rand(nb, rows, cols, generator=g) < masked] = float("-inf")
+    want = attn.softmax_torch_(s.clone(), causal)
+    got = ext.attention_softmax_(s.clone(), causal)
+    tol = 1e-12 if f64 else 2e-6
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert torch.equal(got == 0, want == 0)  # masked keys exactly 0, the rest not rounded to it
+
+
+def test_fused_softmax_rejects_bad_scores():
+    ext = compiled_extension("attention_softmax_")
+    s = torch.randn(2, 3, 4)
+    with pytest.raises(RuntimeError, match="contiguous 3-d"):
+        ext.attention_softmax_(s.transpose(1, 2), 0)
+    with pytest.raises(RuntimeError, match="contiguous 3-d"):
+        ext.attention_softmax_(s[0], 0)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        ext.attention_softmax_(s.half(), 0)
+
+
 def test_dropout_hash_matches_reference():
     """The int32 torch implementation of murmur3's fmix32 (wrapping multiply, masked shifts)
     equals the same function on Python ints, and the mask follows its documented formula."""

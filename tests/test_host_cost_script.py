@@ -43,3 +43,22 @@ def test_unknown_model_and_mode_are_named(capsys):
     assert "bert" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown mode 'fast'"):
         mod.main(["--models", "gpt2", "--modes", "fast", "--steps", "1", "--rounds", "1"])
+
+
+def test_count_table_is_consistent(capsys):
+    """--count adds each mode's Python calls and torch operators per step (host_work), with
+    the extra per Q-module over fp32's."""
+    mod = _script()
+    assert mod.main(["--models", "gpt2", "--modes", "default", "--steps", "1", "--rounds", "1",
+                     "--warmup", "2", "--count"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "Python calls" in line)
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
+            for line in lines[start + 1:start + 3]}
+    assert list(rows) == ["fp32", "default"]
+    calls, extra_calls, ops, extra_ops = (float(c) for c in rows["default"])
+    fp32_calls, _, fp32_ops, _ = rows["fp32"]
+    assert calls > float(fp32_calls) and ops > float(fp32_ops)
+    assert extra_calls == pytest.approx((calls - float(fp32_calls)) / 123, abs=1)
+    assert extra_ops == pytest.approx((ops - float(fp32_ops)) / 123, abs=1)

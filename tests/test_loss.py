@@ -198,6 +198,27 @@ def test_cross_entropy_errors_are_torchs(monkeypatch):
         cross_entropy(x, t, chunk_size=0)
 
 
+def test_cross_entropy_shape_checks_are_remembered_only_when_they_pass():
+    """torch's shape and option checks run once per argument set (on meta tensors, ~1 ms):
+    a passing set is remembered, a failing one raises on every call, and a new shape is
+    checked anew."""
+    loss_mod._checked_loss_shape.cache_clear()
+    x = torch.randn(4, 5, requires_grad=True)
+    t = torch.tensor([0, 1, 2, 3])
+    for _ in range(3):
+        cross_entropy(x, t).backward()
+    info = loss_mod._checked_loss_shape.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+    for _ in range(2):  # not remembered: raises each time
+        with pytest.raises(ValueError, match="batch_size"):
+            cross_entropy(x, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="Expected target size"):
+        cross_entropy(torch.randn(2, 5, 3, requires_grad=True), torch.zeros(2, 4).long())
+    out = cross_entropy(torch.randn(3, 5, 2, requires_grad=True), torch.zeros(3, 2).long(),
+                        reduction="none")
+    assert out.shape == (3, 2)
+
+
 def test_cross_entropy_uint8_targets_and_all_ignored():
     x = torch.randn(4, 5, requires_grad=True)
     t8 = torch.tensor([0, 1, 4, 3], dtype=torch.uint8)

@@ -492,8 +492,19 @@ def _probs(qs: Tensor, kt: Tensor, mask: Optional[_Mask], is_causal: bool,
     s = torch.bmm(qs, kt.transpose(1, 2))
     if mask is not None:
         mask.apply_(s, n0, n1, r0, r1)
-    if is_causal:
-        _causal_(s, r0, r1)
+    fused = (getattr(extension(), "attention_softmax_", None)
+             if s.device.type == "cpu" and s.dtype in _EXP_FLOOR else None)
+    if fused is not None:  # the same steps in one compiled pass per row (~10 ops less)
+        return fused(s, r0 if is_causal else -1)
+    return softmax_torch_(s, r0 if is_causal else -1)
+
+
+def softmax_torch_(s: Tensor, causal: int) -> Tensor:
+    """:func:`_probs`' softmax of scores ``s`` (nb, rows, keys), in place, as torch ops (any
+    device; the twin of the compiled CPU ``attention_softmax_``). ``causal`` >= 0: the tile's
+    first row, whose key j is masked above ``causal + row``; -1: no causal mask."""
+    if causal >= 0:
+        _causal_(s, causal, causal + s.shape[-2])
     m = s.amax(-1, keepdim=True)
     m.masked_fill_(m == float("-inf"), 0.0)
     # exp(max(x, floor)) - exp(floor): exactly 0 for masked scores, any other value moved by

@@ -99,6 +99,7 @@ saved, so backward with ``create_graph=True`` raises.
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -249,10 +250,26 @@ def _reduce(rows: Tensor, den: Tensor, reduction: str, out_shape: torch.Size) ->
     return total / den if reduction == "mean" else total
 
 
-def _meta(t: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
-    if t is None:
-        return None
-    return torch.empty(t.shape, dtype=t.dtype if dtype is None else dtype, device="meta")
+def _shape(t: Optional[Tensor]) -> Optional[Tuple[int, ...]]:
+    return None if t is None else tuple(t.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_loss_shape(input_shape: Tuple[int, ...], compute: torch.dtype,
+                        target_shape: Tuple[int, ...], weight_shape: Optional[Tuple[int, ...]],
+                        ignore_index: int, reduction: str, label_smoothing: float
+                        ) -> torch.Size:
+    """The output shape of ``F.cross_entropy`` for arguments of these shapes, after torch's own
+    shape and option checks, run on meta tensors (the target as int64: torch's meta kernels take
+    no uint8 index). Remembered per argument set: the meta call runs Python decompositions
+    (~1 ms, as long as a small model's whole step), and a training loop repeats one set; a set
+    that fails raises every time (exceptions are not cached)."""
+    def meta(shape: Optional[Tuple[int, ...]], dtype: torch.dtype) -> Optional[Tensor]:
+        return None if shape is None else torch.empty(shape, dtype=dtype, device="meta")
+
+    return F.cross_entropy(meta(input_shape, compute), meta(target_shape, torch.int64),
+                           meta(weight_shape, compute), ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=label_smoothing).shape
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,11 +404,12 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     # torch's own shape / option checks (and the output shape of 'none'), on meta tensors
     # (the target as int64: torch's meta kernels take no uint8 index; its dtype is checked
     # in forward)
-    ref = F.cross_entropy(_meta(input, compute), _meta(target, torch.int64),
-                          _meta(weight, compute), ignore_index=ignore_index,
-                          reduction=reduction, label_smoothing=label_smoothing)
+    check = _checked_loss_shape if isinstance(reduction, str) else \
+        _checked_loss_shape.__wrapped__  # torch names a bad reduction (unhashable here)
+    out_shape = check(tuple(input.shape), compute, tuple(target.shape), _shape(weight),
+                      int(ignore_index), reduction, float(label_smoothing))
     return CrossEntropyFunction.apply(input, target, weight, int(ignore_index), reduction,
-                                      float(label_smoothing), ref.shape, compute, qconfig, bits,
+                                      float(label_smoothing), out_shape, compute, qconfig, bits,
                                       chunk_size)
 
 
@@ -534,9 +552,10 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Optional[Tensor], targ
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at "
                            f"least two devices, {x.device} and {target.device}!")
     rows = x.shape[:-1].numel()
-    F.cross_entropy(torch.empty((rows, weight.shape[0]), dtype=torch.float32, device="meta"),
-                    _meta(target.reshape(-1), torch.int64), ignore_index=ignore_index,
-                    reduction=reduction, label_smoothing=label_smoothing)  # torch's checks
+    check = _checked_loss_shape if isinstance(reduction, str) else \
+        _checked_loss_shape.__wrapped__  # torch names a bad reduction (unhashable here)
+    check((rows, weight.shape[0]), torch.float32, (target.numel(),), None, int(ignore_index),
+          reduction, float(label_smoothing))  # torch's checks
     chunk_rows(weight.shape[0], chunk_size)  # validates chunk_size
     return LinearCrossEntropyFunction.apply(x, weight, bias, target, int(ignore_index),
                                             reduction, float(label_smoothing), chunk_size,

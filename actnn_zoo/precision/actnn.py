@@ -235,6 +235,12 @@ class _Watched:
         """``stats`` = this step's calls together (rows stacked in call order). One call: its
         tensors as they are; several: concatenated (small (samples,) tensors, no host read)."""
         calls, st = self.calls, self.stats
+        if len(calls) == 1:  # most layers run once a step: no sums, no concatenation
+            c = calls[0]
+            st.calls, st.samples, st.numel = 1, c.samples, c.numel if c.samples else 0
+            st.values = c.samples * c.numel
+            st.range_sq, st.bits = c.range_sq, c.bits
+            return
         st.calls = len(calls)
         st.samples = sum(c.samples for c in calls)
         st.values = sum(c.samples * c.numel for c in calls)

@@ -205,7 +205,15 @@ def _rows_layout(bits: Bits, n: int, d: int, device: torch.device, validate: Opt
                  ) -> Tuple[Tensor, Tensor, int, Optional[int]]:
     """(row widths, row byte offsets, bytes to allocate, the one width or None) of ``n`` rows of
     ``d`` codes at ``bits``, as the general kernel entries take them. One width: the capacity
-    from host ints; per-sample widths: ``_capacity`` (no device read for SampleBits)."""
+    from host ints; per-sample widths: ``_capacity`` (no device read for SampleBits; on the CPU
+    the compiled ``sample_offsets`` checks its promises while it lays the rows out)."""
+    if isinstance(bits, SampleBits) and device.type == "cpu":
+        checked = getattr(kernels(device), "sample_offsets", None)
+        if checked is not None:
+            row_bits, _ = _row_bits(bits, n, device)
+            check_sample_bits(bits, validate)
+            return row_bits, checked(d, row_bits, bits.max_sum), \
+                (d * bits.max_sum + 7 * n) // 8, None
     row_bits, uniform = _row_bits(bits, n, device)
     check_sample_bits(bits, validate)
     offsets = kernels(device).row_offsets(d, row_bits)
@@ -281,13 +289,23 @@ def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
         return quantize(x_hat, bits, group_size, seed=seed, rounding=rounding, validate=validate)
     rows = as_rows(x.detach())
     n, d = rows.shape
+    ker = kernels(x.device)
+    one_width = (getattr(ker, "quantize_affine_uniform", None)
+                 if n * d and not isinstance(bits, (Tensor, SampleBits)) else None)
+    if one_width is not None:  # the kernel lays the rows out (no widths/offsets tensors)
+        uniform = check_bits(bits)
+        data, lo, step = one_width(rows, mean.detach().float().reshape(-1).contiguous(),
+                                   invstd.detach().float().reshape(-1).contiguous(), layout[0],
+                                   layout[1], uniform, group_size, seed & 0xFFFFFFFF,
+                                   rounding == "stochastic")
+        return QuantizedTensor(data, lo, step, x.shape, torch.float32, uniform, group_size)
     row_bits, offsets, total, uniform = _rows_layout(bits, n, d, x.device, validate)
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
         shift = mean.detach().float().reshape(-1).contiguous()
         scale = invstd.detach().float().reshape(-1).contiguous()
-        data, lo, step = kernels(x.device).quantize_affine(
+        data, lo, step = ker.quantize_affine(
             rows, shift, scale, layout[0], layout[1], row_bits, offsets, total, group_size,
             seed & 0xFFFFFFFF, rounding == "stochastic")
     if uniform is not None:

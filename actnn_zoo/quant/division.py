@@ -41,9 +41,11 @@ import torch
 from torch import Tensor
 
 from . import division_reference
-from .api import SUPPORTED_DTYPES, Bits, _capacity, _row_bits, check_sample_bits, draw_seed
+from .api import (SUPPORTED_DTYPES, Bits, _capacity, _row_bits, check_sample_bits, dequantize,
+                  draw_seed, masked_grad)
 from .backend import kernels
 from .reference import row_offsets, uniform_offsets
+from .sparse import dequantize_sparse
 from .tensor import CompressedPayload, MaskedPayload, QuantizedTensor, SparseQuantizedTensor
 
 COMPRESSORS = ("quant", "division")
@@ -235,14 +237,12 @@ def uses_division(x: Tensor, compressor: str, maps: Optional[bool] = None) -> bo
 
 def decompress(payload: Payload) -> Tensor:
     """Dequantize any payload kind."""
+    if type(payload) is QuantizedTensor:  # the common case first: one check per saved input
+        return dequantize(payload)
     if isinstance(payload, DivisionTensor):
         return division_dequantize(payload)
     if isinstance(payload, SparseQuantizedTensor):
-        from .sparse import dequantize_sparse
-
         return dequantize_sparse(payload)
-    from .api import dequantize, masked_grad
-
     if isinstance(payload, MaskedPayload):  # a dropout's output: its input's codes, masked
         kept = masked_grad(dequantize(payload.source), payload.mask, payload.scale, 0.0)
         return kept.reshape(payload.view_shape)

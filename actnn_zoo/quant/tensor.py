@@ -7,6 +7,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .reference import uniform_offsets  # reference imports only the leaf hash32
+
 
 class CompressedPayload:
     """What every compressed form answers from its fields ``data``, ``shape``, ``row_bits`` and
@@ -89,8 +91,6 @@ class QuantizedTensor(CompressedPayload):
         dim 0, a 0-d or 1-d tensor one row)."""
         if self.mixed:
             return self.row_bits, self.offsets
-        from .reference import uniform_offsets  # reference imports only the leaf hash32
-
         n = self.shape[0] if len(self.shape) >= 2 else 1
         d = self.shape.numel() // n if n else 0
         return (torch.full((n,), self.bits, dtype=torch.uint8, device=self.device),
