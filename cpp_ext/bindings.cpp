@@ -274,6 +274,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
         "quantize_affine with one width for every row, rows back to back (the layout of "
         "quantize_uniform, made here). CPU only.");
+  m.def("uniform_layout", [](int64_t n, int64_t d, int64_t bits) {
+          return uniform_layout(n, d, bits, 0, at::Device(at::kCPU));
+        }, nogil, py::arg("n"), py::arg("d"), py::arg("bits"),
+        "CPU: (widths uint8 (n,), row byte offsets int64 (n + 1,)) of n rows of d codes at one "
+        "width, rows back to back: the layout quantize_uniform makes for itself.");
   m.def("sample_offsets", &sample_offsets, nogil, py::arg("d"), py::arg("bits"),
         py::arg("max_sum"),
         "CPU: row_offsets of per-sample widths, raising ValueError unless every width is 1, 2, "

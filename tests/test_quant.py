@@ -310,3 +310,28 @@ def test_random_shapes_round_trip(shape, bits, group_size, dtype, scale, seed):
     if x.numel():
         step = per_element(q.step, x.shape, group_size)
         assert ((y.float() - x.float()).abs() <= step + dtype_slack(dtype, y.float())).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 40), d=st.integers(0, 300), bits=st.sampled_from([1, 2, 4, 8]))
+def test_compiled_uniform_layout_is_the_reference_layout(n, d, bits):
+    """_C.uniform_layout (what a one-width payload's row_layout uses on the CPU) gives the
+    widths and row offsets the torch reference makes; a bad width is named."""
+    from _ext import compiled_extension
+
+    ext = compiled_extension("uniform_layout")
+    widths, offsets = ext.uniform_layout(n, d, bits)
+    assert torch.equal(widths, torch.full((n,), bits, dtype=torch.uint8))
+    assert torch.equal(offsets, ref.uniform_offsets(n, d, bits, torch.device("cpu")))
+    with pytest.raises(ValueError, match="bits must be 1, 2, 4 or 8, got 3"):
+        ext.uniform_layout(n, d, 3)
+
+
+def test_one_width_row_layout_matches_its_codes():
+    x = torch.randn(5, 3, 7)
+    q = az.quantize(x, 4, group_size=8, seed=1)
+    widths, offsets = q.row_layout()
+    assert torch.equal(widths, torch.full((5,), 4, dtype=torch.uint8))
+    assert int(offsets[-1]) == q.data.numel()  # the rows tile the codes exactly
+    mixed = az.quantize(x, torch.tensor([4, 4, 4, 4, 4]), group_size=8, seed=1)
+    assert torch.equal(mixed.offsets, offsets) and torch.equal(mixed.data, q.data)

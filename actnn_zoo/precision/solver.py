@@ -27,6 +27,7 @@ from typing import Dict, Optional, Union
 import torch
 from torch import Tensor
 
+from ..quant.api import no_graph
 from ..quant.backend import extension
 
 __all__ = ["WIDTHS", "UPGRADE_COST", "UPGRADE_GAIN", "UpgradeTable", "quantization_cost",
@@ -97,7 +98,7 @@ def allocate_samples(score: Tensor, budget: Union[Tensor, float],
     m = score.shape[0]
     if m == 0:
         return torch.empty(0, dtype=torch.uint8, device=score.device)
-    s = score.detach()
+    s = no_graph(score)
     s = s if s.dtype == torch.float32 else s.to(torch.float32)
     if extra is None:
         extra = extra_bits(budget, m)

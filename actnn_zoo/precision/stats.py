@@ -24,7 +24,7 @@ from ..nn import conv as qconv
 from ..nn import norm as qnorm
 from ..nn.linear import QLinear
 from ..nn.softmax import QSoftmax
-from ..quant.api import SampleBits, as_rows
+from ..quant.api import SampleBits, as_rows, no_graph
 from ..quant.backend import extension
 from .base import set_sample_bits
 
@@ -95,7 +95,7 @@ def range_statistic(t: Tensor, group_size: int) -> Tensor:
     pass of the compiled extension (``cpp_ext/widths_cpu.cpp``; equal up to float rounding),
     elsewhere two torch reductions.
     """
-    rows = as_rows(t.detach())
+    rows = as_rows(no_graph(t))
     ext = extension() if rows.device.type == "cpu" and rows.is_contiguous() else None
     kernel = getattr(ext, "range_statistic", None)  # None too for a build older than this file
     if kernel is not None and rows.dtype in (torch.float32, torch.float16, torch.bfloat16):

@@ -73,6 +73,28 @@ def check_group_size(group_size: object, name: str = "group_size") -> int:
     return group_size
 
 
+_grad_enabled = torch.is_grad_enabled
+
+
+def no_graph(t: Tensor) -> Tensor:
+    """``t`` for a kernel to read: detached where an op on it would be recorded, else itself.
+    A detach is an operator call (~1-2 us of dispatch), and inside an autograd Function's
+    forward or a precision hook under no_grad -- where the quantizers run in training -- no op
+    is recorded anyway."""
+    return t.detach() if t.requires_grad and _grad_enabled() else t
+
+
+def stat_vector(t: Tensor) -> Tensor:
+    """A norm's statistic as the kernels take it: float32, flat, contiguous (no operator call
+    where it already is one)."""
+    t = no_graph(t)
+    if t.dtype != torch.float32:
+        t = t.float()
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t.contiguous()
+
+
 def as_rows(x: Tensor) -> Tensor:
     """The (N, D) row view of the contract: dim 0 is the sample; 0-d and 1-d are one row."""
     if x.dim() <= 1:
@@ -173,7 +195,7 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
     check_transform(transform)
     check_transform_group(transform, group_size)
 
-    rows = as_rows(x.detach())
+    rows = as_rows(no_graph(x))
     n, d = rows.shape
     if transform == "hadamard" and n * d:
         rows = hadamard_(rows.to(torch.float32, memory_format=torch.contiguous_format,
@@ -287,15 +309,14 @@ def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
     if not has_normalized_kernel(x.device):
         x_hat = (x.detach().float() - mean.detach().float()).mul_(invstd.detach().float())
         return quantize(x_hat, bits, group_size, seed=seed, rounding=rounding, validate=validate)
-    rows = as_rows(x.detach())
+    rows = as_rows(no_graph(x))
     n, d = rows.shape
     ker = kernels(x.device)
     one_width = (getattr(ker, "quantize_affine_uniform", None)
                  if n * d and not isinstance(bits, (Tensor, SampleBits)) else None)
     if one_width is not None:  # the kernel lays the rows out (no widths/offsets tensors)
         uniform = check_bits(bits)
-        data, lo, step = one_width(rows, mean.detach().float().reshape(-1).contiguous(),
-                                   invstd.detach().float().reshape(-1).contiguous(), layout[0],
+        data, lo, step = one_width(rows, stat_vector(mean), stat_vector(invstd), layout[0],
                                    layout[1], uniform, group_size, seed & 0xFFFFFFFF,
                                    rounding == "stochastic")
         return QuantizedTensor(data, lo, step, x.shape, torch.float32, uniform, group_size)
@@ -303,8 +324,7 @@ def quantize_normalized(x: Tensor, mean: Tensor, invstd: Tensor, bits: Bits = 2,
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
-        shift = mean.detach().float().reshape(-1).contiguous()
-        scale = invstd.detach().float().reshape(-1).contiguous()
+        shift, scale = stat_vector(mean), stat_vector(invstd)
         data, lo, step = ker.quantize_affine(
             rows, shift, scale, layout[0], layout[1], row_bits, offsets, total, group_size,
             seed & 0xFFFFFFFF, rounding == "stochastic")

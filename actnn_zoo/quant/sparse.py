@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .api import Bits, _row_bits, as_rows, check_quantize_args, check_sample_bits, rows_out
+from .api import (Bits, _row_bits, as_rows, check_quantize_args, check_sample_bits, no_graph,
+                  rows_out)
 from .backend import kernels
 from .tensor import SparseQuantizedTensor
 
@@ -53,7 +54,7 @@ def quantize_sparse(x: Tensor, bits: Bits = 2, group_size: int = 256,
     zeros exact; its ``mask`` is ``pack_mask(x != 0)`` in row-major order.
     """
     group_size, seed = check_quantize_args(x, group_size, rounding, seed)
-    rows = as_rows(x.detach())
+    rows = as_rows(no_graph(x))
     n, d = rows.shape
     row_bits, _ = _row_bits(bits, n, x.device)
     check_sample_bits(bits, validate)
