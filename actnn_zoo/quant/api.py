@@ -446,6 +446,10 @@ def _dequantize_rows_into(q: QuantizedTensor, start: int, stop: int, rows: Tenso
     if debug_checks(validate):
         _check_layout(q.row_bits, q.offsets, rows.shape[1], q.data.numel(),
                       "QuantizedTensor.row_bits")
+    if start == 0 and stop == q.lo.shape[0]:  # all rows: no slices (four operator calls)
+        kernels(rows.device).dequantize(q.data, q.lo, q.step, q.row_bits, q.offsets,
+                                        q.group_size, rows)
+        return
     kernels(rows.device).dequantize(q.data, q.lo[start:stop], q.step[start:stop],
                                     q.row_bits[start:stop], q.offsets[start:stop + 1],
                                     q.group_size, rows)
