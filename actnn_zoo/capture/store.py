@@ -455,8 +455,8 @@ class CompressedStore:
         # A zoo Function's save (keep() was just given it, and counted it) is kept as it is:
         # one lookup, no further call (every Q-layer call saves 3-8 tensors through here).
         saving = self._saving
-        if (saving and saving.get(id(t)) is t and not self.boxing and not _is_compiling()
-                and current_observer() is None):
+        if (saving and not _is_compiling() and saving.get(id(t)) is t and not self.boxing
+                and current_observer() is None):  # (compiling: asked first, dynamo sees no id)
             del saving[id(t)]
             return t
         return self._pack_hook(t)
