@@ -272,6 +272,16 @@ def _checked_loss_shape(input_shape: Tuple[int, ...], compute: torch.dtype,
                            reduction=reduction, label_smoothing=label_smoothing).shape
 
 
+def _check_loss(input_shape: Tuple[int, ...], compute: torch.dtype,
+                target_shape: Tuple[int, ...], weight_shape: Optional[Tuple[int, ...]],
+                ignore_index: int, reduction: object, label_smoothing: float) -> torch.Size:
+    """:func:`_checked_loss_shape`, remembered only for a string ``reduction``: any other value
+    is unhashable or wrong, and torch's own check must name it."""
+    check = _checked_loss_shape if isinstance(reduction, str) else _checked_loss_shape.__wrapped__
+    return check(input_shape, compute, target_shape, weight_shape, ignore_index, reduction,
+                 label_smoothing)
+
+
 # ----------------------------------------------------------------------------------------------
 # cross_entropy
 # ----------------------------------------------------------------------------------------------
@@ -404,10 +414,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     # torch's own shape / option checks (and the output shape of 'none'), on meta tensors
     # (the target as int64: torch's meta kernels take no uint8 index; its dtype is checked
     # in forward)
-    check = _checked_loss_shape if isinstance(reduction, str) else \
-        _checked_loss_shape.__wrapped__  # torch names a bad reduction (unhashable here)
-    out_shape = check(tuple(input.shape), compute, tuple(target.shape), _shape(weight),
-                      int(ignore_index), reduction, float(label_smoothing))
+    out_shape = _check_loss(tuple(input.shape), compute, tuple(target.shape), _shape(weight),
+                            int(ignore_index), reduction, float(label_smoothing))
     return CrossEntropyFunction.apply(input, target, weight, int(ignore_index), reduction,
                                       float(label_smoothing), out_shape, compute, qconfig, bits,
                                       chunk_size)
@@ -552,10 +560,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Optional[Tensor], targ
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at "
                            f"least two devices, {x.device} and {target.device}!")
     rows = x.shape[:-1].numel()
-    check = _checked_loss_shape if isinstance(reduction, str) else \
-        _checked_loss_shape.__wrapped__  # torch names a bad reduction (unhashable here)
-    check((rows, weight.shape[0]), torch.float32, (target.numel(),), None, int(ignore_index),
-          reduction, float(label_smoothing))  # torch's checks
+    _check_loss((rows, weight.shape[0]), torch.float32, (target.numel(),), None,
+                int(ignore_index), reduction, float(label_smoothing))  # torch's checks
     chunk_rows(weight.shape[0], chunk_size)  # validates chunk_size
     return LinearCrossEntropyFunction.apply(x, weight, bias, target, int(ignore_index),
                                             reduction, float(label_smoothing), chunk_size,

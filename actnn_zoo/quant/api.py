@@ -229,19 +229,18 @@ def _rows_layout(bits: Bits, n: int, d: int, device: torch.device, validate: Opt
     ``d`` codes at ``bits``, as the general kernel entries take them. One width: the capacity
     from host ints; per-sample widths: ``_capacity`` (no device read for SampleBits; on the CPU
     the compiled ``sample_offsets`` checks its promises while it lays the rows out)."""
-    if isinstance(bits, SampleBits) and device.type == "cpu":
-        checked = getattr(kernels(device), "sample_offsets", None)
-        if checked is not None:
-            row_bits, _ = _row_bits(bits, n, device)
-            check_sample_bits(bits, validate)
-            return row_bits, checked(d, row_bits, bits.max_sum), \
-                (d * bits.max_sum + 7 * n) // 8, None
     row_bits, uniform = _row_bits(bits, n, device)
     check_sample_bits(bits, validate)
-    offsets = kernels(device).row_offsets(d, row_bits)
-    total = n * ((d * uniform + 7) // 8) if uniform is not None else \
-        _capacity(bits, offsets, n, d)
-    return row_bits, offsets, total, uniform
+    if uniform is not None:
+        return row_bits, kernels(device).row_offsets(d, row_bits), \
+            n * ((d * uniform + 7) // 8), uniform
+    checked = (getattr(kernels(device), "sample_offsets", None)
+               if isinstance(bits, SampleBits) and device.type == "cpu" else None)
+    if checked is not None:
+        offsets = checked(d, row_bits, bits.max_sum)
+    else:
+        offsets = kernels(device).row_offsets(d, row_bits)
+    return row_bits, offsets, _capacity(bits, offsets, n, d, checked=checked is not None), None
 
 
 def _empty_codes(n: int, d: int, group_size: int, device: torch.device
@@ -352,13 +351,14 @@ def check_quantize_args(x: Tensor, group_size: int, rounding: str,
     return group_size, seed
 
 
-def _capacity(bits: Bits, offsets: Tensor, n: int, d: int) -> int:
+def _capacity(bits: Bits, offsets: Tensor, n: int, d: int, checked: bool = False) -> int:
     """Bytes for the packed rows of mixed widths. A tensor of widths: exactly offsets[-1] (read
-    back). SampleBits: sum_n ceil(d * b_n / 8) <= (d * max_sum + 7 n) / 8, from host ints."""
+    back). SampleBits: sum_n ceil(d * b_n / 8) <= (d * max_sum + 7 n) / 8, from host ints.
+    ``checked``: the offsets came from ``sample_offsets``, which checked SampleBits' promises."""
     if not isinstance(bits, SampleBits):
         return int(offsets[-1])
     total = (d * bits.max_sum + 7 * n) // 8
-    if bits.bits.device.type == "cpu":  # the promises cost one small op to check here
+    if bits.bits.device.type == "cpu" and not checked:  # one small op to check them here
         counts = torch.bincount(bits.bits, minlength=9).tolist()
         if sum(counts) != sum(counts[b] for b in SUPPORTED_BITS):
             raise ValueError(f"SampleBits.bits entries must be in {SUPPORTED_BITS}")
