@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Tuple, TypeVar
 
 import torch
 
@@ -18,12 +18,11 @@ def eager(fn: F) -> F:
     """``fn``, run eagerly when called while ``torch.compile`` traces.
 
     Why: the capture store's bookkeeping (storage addresses, weak references, the extension's
-    kernels) and the precision strategies' hooks (per-sample widths from the extension's
-    allocation kernel, host-side step counters) are host code. Traced by dynamo they recompile
-    for every dtype and shape they meet, and a resumed frame inside them crashed (the actnn
-    strategy after its first re-allocation). Outside compilation ``fn`` is called directly: the
-    disabled wrapper swaps dynamo's frame callback twice per call, a cost every saved tensor
-    and hook call would pay."""
+    kernels) is host code; traced by dynamo it would recompile for every dtype and shape it
+    meets. It runs under compile only where a session opened outside the compiled region (a
+    compiled submodule of a converted model). Outside compilation ``fn`` is called directly:
+    the disabled wrapper swaps dynamo's frame callback twice per call, a cost every saved
+    tensor would pay."""
     disabled = torch.compiler.disable(fn)
 
     @functools.wraps(fn)
@@ -36,26 +35,28 @@ def eager(fn: F) -> F:
 
 
 class EagerHook:
-    """A hook (usually a bound method of a precision strategy's per-layer state) run eagerly
-    under ``torch.compile``, as :func:`eager` runs a function.
+    """A hook (usually a bound method of a precision strategy's per-layer state) that runs in
+    eager calls only: while ``torch.compile`` traces, it does nothing.
+
+    Why: a strategy's work is host code (range statistics read back, per-sample widths from
+    the extension's allocation kernel, step counters); called from a traced frame it broke
+    the graph at every Q-layer (a converted ResNet-50 compiled into 38 graphs), and the
+    traced layers could not use per-sample widths anyway: they save at one width per layer
+    (:func:`graph_width`). Eager steps before and after compiled ones run the strategy as
+    usual.
 
     A class rather than a closure so that ``copy.deepcopy`` of a model copies the hook's
     target with it (a function object is copied by reference, so a closure would keep calling
     the original model's strategy)."""
 
-    __slots__ = ("fn", "_disabled")
+    __slots__ = ("fn",)
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        # made here, not at the first compiled call: dynamo traces __call__, and an attribute
-        # set while tracing is not there when the traced frame runs
-        self._disabled = torch.compiler.disable(fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():
-            if args and inline_compiling(args[0]):
-                return None  # actnn_zoo.compile: no per-layer bookkeeping in its graph
-            return self._disabled(*args, **kwargs)
+            return None
         return self.fn(*args, **kwargs)
 
     def __getstate__(self) -> Any:  # deepcopy / pickle: the target only
@@ -96,3 +97,14 @@ def inline_compiling(module: Any) -> bool:
         return False
     switch = getattr(module, INLINE_ATTR, None)
     return switch is not None and switch.on
+
+
+def graph_width(module: Any) -> Tuple[int, int]:
+    """(bits, group size) at which a Q-layer traced by ``torch.compile`` saves what it
+    quantizes itself: :func:`actnn_zoo.compile`'s setting while its switch is on, else the
+    layer's own ``qconfig`` (a plain ``torch.compile`` of a converted model). One width per
+    layer: a graph cannot take the strategies' per-sample widths (:class:`EagerHook`)."""
+    switch = getattr(module, INLINE_ATTR, None)
+    if switch is not None and switch.on:
+        return switch.bits, switch.group_size
+    return module.qconfig.bits, module.qconfig.group_size

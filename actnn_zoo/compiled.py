@@ -1,9 +1,10 @@
 """``actnn_zoo.compile``: one ``torch.compile`` graph that saves its activations compressed.
 
-A plain ``torch.compile`` of a converted model works, but every Q-layer is an opaque Function
-with host bookkeeping, so the graph breaks at each one. This path traces the model's plain
-torch forward instead (Q-layers step aside while it traces, :func:`_compile.inline_compiling`)
-and puts the compression into the graph itself: AOTAutograd inlines saved-tensor hooks given
+A plain ``torch.compile`` of a converted model has no break either: its Q-layers save through
+their traced forms (:meth:`~actnn_zoo.nn._base.QModule.graph_saves`), but nothing else is
+compressed (attention, the loss, layers without a traced form). This path also traces conv
+and linear as their torch forwards (:func:`_compile.inline_compiling`) and puts the
+compression of every saved tensor into the graph itself: AOTAutograd inlines saved-tensor hooks given
 as ``torch.fx.GraphModule`` s into the forward graph's end (pack) and the backward graph's start
 (unpack). It applies them to the tensors the graph saves that it also frees -- intermediates,
 never the model's inputs, parameters or buffers. What each saved tensor becomes:
@@ -21,11 +22,14 @@ never the model's inputs, parameters or buffers. What each saved tensor becomes:
   rounding would move, and casts of a graph input, such as autocast's bfloat16 copy of a
   weight, which the input gradient reads): kept as it is.
 
-Three layers keep their own saving while traced: ReLU a mask packed by the operator
-(:class:`~actnn_zoo.functional.activation.BoolMaskReLU`; its rounded output would move values
-across zero), BatchNorm codes of its normalized input
-(:class:`~actnn_zoo.functional.norm.NormalizedBatchNorm`), MaxPool2d each maximum's window
-position (:class:`~actnn_zoo.functional.pool.WindowCodeMaxPool2d`). What this path does not do: the
+The layers with a traced form other than conv and linear keep their own saving: ReLU a mask
+packed by the operator (:class:`~actnn_zoo.functional.activation.BoolMaskReLU`; its rounded
+output would move values across zero), BatchNorm and LayerNorm codes of their normalized input
+(:class:`~actnn_zoo.functional.norm.NormalizedBatchNorm`, ``NormalizedLayerNorm``), MaxPool2d
+each maximum's window position (:class:`~actnn_zoo.functional.pool.WindowCodeMaxPool2d`),
+smooth activations codes of their derivative
+(:class:`~actnn_zoo.functional.activation.TracedDerivativeActivation`), dropout its packed
+mask. What this path does not do: the
 precision strategies' per-layer and per-sample widths (every tensor gets ``bits``; their
 hooks step aside while it traces) and tier 2's routing (attention and the loss are whatever the
 traced ops save) (docs/design.md, "torch.compile").

@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""actnn_zoo.compile against torch.compile and the eager converted model, in one process.
+"""actnn_zoo.compile and torch.compile of a converted model against torch.compile of the plain
+model and the eager converted model, in one process.
 
 For each model (random init, nothing downloaded), with dropout off so that runs compare:
 
-* graphs: how many graphs torch.compile makes of the plain model and actnn_zoo.compile of the
-  converted one (a graph break makes one more);
+* graphs: how many graphs torch.compile makes of the plain model, of the converted one (the
+  Q-layers' traced forms) and actnn_zoo.compile of the converted one (a graph break makes one
+  more);
 * held: the bytes a training forward leaves alive (glibc's allocator count around the forward,
   after warm-up), for fp32, the eager converted model (default settings), torch.compile of the
-  plain model and actnn_zoo.compile of the converted one;
+  plain model, torch.compile of the converted model and actnn_zoo.compile of it;
 * cosine: the smallest per-parameter gradient cosine against eager fp32 at 8 bits, for the
-  eager converted model and for actnn_zoo.compile.
+  eager converted model, torch.compile of it and actnn_zoo.compile.
 
     .venv/bin/python scripts/bench_compile.py                  # resnet50 and gpt2
     .venv/bin/python scripts/bench_compile.py --models gpt2
@@ -100,6 +102,8 @@ def measure(name: str) -> str:
             "eager default": az.convert_model(copy.deepcopy(base)),
             "torch.compile fp32": torch.compile(copy.deepcopy(base),
                                                 backend=counting_backend(counts, "plain")),
+            "torch.compile default": torch.compile(az.convert_model(copy.deepcopy(base)),
+                                                   backend=counting_backend(counts, "converted")),
             "actnn_zoo.compile": az.compile(az.convert_model(copy.deepcopy(base)),
                                             backend=counting_backend(counts, "zoo"))}
     held = {k: held_bytes(loss_of, m) for k, m in runs.items()}
@@ -109,14 +113,17 @@ def measure(name: str) -> str:
     loss_of(eager8).backward()
     zoo8 = az.convert_model(copy.deepcopy(base), bits=8)
     loss_of(az.compile(zoo8, backend="aot_eager")).backward()
-    lines = [f"\n{name}: graphs torch.compile {counts.get('plain')} / actnn_zoo.compile "
-             f"{counts.get('zoo')}",
+    traced8 = az.convert_model(copy.deepcopy(base), bits=8)
+    loss_of(torch.compile(traced8, backend="aot_eager")).backward()
+    lines = [f"\n{name}: graphs torch.compile {counts.get('plain')} / of the converted model "
+             f"{counts.get('converted')} / actnn_zoo.compile {counts.get('zoo')}",
              f"{'mode':20s} | {'held MiB':>9s} | {'x less than fp32':>16s}"]
     for k, v in held.items():
         lines.append(f"{k:20s} | {v / 2 ** 20:9.3f} | {held['fp32'] / max(v, 1):16.1f}")
-    lines.append(f"actnn_zoo.compile held / eager default held: "
-                 f"{held['actnn_zoo.compile'] / held['eager default']:.2f}")
-    for tag, m in (("eager converted", eager8), ("actnn_zoo.compile", zoo8)):
+    for k in ("torch.compile default", "actnn_zoo.compile"):
+        lines.append(f"{k} held / eager default held: {held[k] / held['eager default']:.2f}")
+    for tag, m in (("eager converted", eager8), ("torch.compile converted", traced8),
+                   ("actnn_zoo.compile", zoo8)):
         cos, where = min_cosine(ref, m)
         lines.append(f"8-bit min gradient cosine vs fp32, {tag}: {cos:.6f} ({where})")
     return "\n".join(lines)

@@ -14,18 +14,21 @@ def _script():
 def test_table_has_ratios_and_extra_per_q_module(capsys):
     mod = _script()
     assert mod.main(["--models", "gpt2", "--modes",
-                     "default,no-capture,checkpoint,compiled-fp32,compiled", "--backend",
+                     "default,no-capture,checkpoint,compiled-fp32,compiled,torch-compiled",
+                     "--backend",
                      "aot_eager", "--steps", "1", "--rounds", "1", "--warmup", "2"]) == 0
     out = capsys.readouterr().out
     assert "gpt2: 123 Q-modules when converted" in out
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
             for line in out.splitlines() if line.count("|") == 4}
     assert list(rows)[1:] == ["fp32", "default", "no-capture", "checkpoint", "compiled-fp32",
-                              "compiled"]
+                              "compiled", "torch-compiled"]
     fp32 = float(rows["fp32"][0])
-    # the compiled target: actnn_zoo.compile's step over torch.compile's of the plain model
-    assert float(rows["compiled"][3]) == pytest.approx(
-        float(rows["compiled"][0]) / float(rows["compiled-fp32"][0]), abs=0.01)
+    # the compiled target: the converted model's compiled step (actnn_zoo.compile, plain
+    # torch.compile) over torch.compile's of the plain model
+    for mode in ("compiled", "torch-compiled"):
+        assert float(rows[mode][3]) == pytest.approx(
+            float(rows[mode][0]) / float(rows["compiled-fp32"][0]), abs=0.01)
     for mode in ("default", "no-capture", "checkpoint"):
         ms, ratio, extra, _ = rows[mode]
         assert float(ratio) == pytest.approx(float(ms) / fp32, abs=0.01)

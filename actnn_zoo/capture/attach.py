@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from .. import _session as S
-from .._compile import inline_compiling
 from .._session import ZeroCodeSlot
 from ..config import LayerQConfig, QuantConfig
 from ..quant.seeds import seed_stream
@@ -152,8 +151,11 @@ class Capture:
         return None if plain is args else plain
 
     def _open(self, module: nn.Module) -> None:
-        if inline_compiling(module):
-            return  # actnn_zoo.compile: the graph compresses its own saves
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile: the layers save through their traced forms (and under
+            # actnn_zoo.compile the graph compresses the other saves); a session is host work
+            # that would break the graph.
+            return
         if not (module.training and torch.is_grad_enabled()) or S.active_session() is not None:
             self._stack().append(None)  # nothing to open: eval, no_grad, or an outer session
             return
@@ -162,7 +164,7 @@ class Capture:
         self._stack().append(session)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if inline_compiling(module):
+        if torch.compiler.is_compiling():
             return
         stack = self._stack()
         if not stack:
@@ -171,7 +173,7 @@ class Capture:
         if session is not None:
             session.close()
             self.last_stats = session.stats
-            if output is not None and not torch.compiler.is_compiling():
+            if output is not None:
                 # the loss written after forward is routed too (capture/tail.py)
                 return wrap_outputs(output, TailRouting(self.qconfig, session.stats))
         return None

@@ -7,10 +7,11 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._session import active_session
+from .._session import active_session, inverse_order
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, quantize, quantize_normalized
 from ..quant import dequantize_rows as _dequantize_rows
+from ..quant import ops
 from ..quant.api import normalizes_in_kernel
 from ..quant.sparse import dequantize_sparse_rows, rows_decodable
 from ..quant.tensor import CompressedPayload, SparseQuantizedTensor
@@ -128,6 +129,42 @@ def load(ctx) -> List[Saved]:
             out.append(None)
         i += count
     return out
+
+
+def save_codes(ctx, x: Optional[Tensor], bits: int, group_size: int, *tensors: Tensor) -> None:
+    """For a traced Function (the form ``torch.compile`` traces): ``x`` as
+    ``actnn_zoo::quantize_uniform`` codes at one width, in its memory order, then ``tensors``
+    as they are, through ``ctx.save_for_backward``. The graph keeps a custom operator's
+    outputs as it is given them, so what it saves is the codes. ``x`` None saves nothing of it
+    (the weight needs no gradient). float64 goes through a float32 copy, as in
+    :func:`compress`."""
+    if x is None:
+        ctx.codes = None
+        ctx.save_for_backward(*tensors)
+        return
+    # the memory order of the layouts layers meet (no sort over strides: under dynamic shapes
+    # they are symbolic); any other layout is copied
+    if x.dim() in (4, 5) and not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d):
+        perm = (0,) + tuple(range(2, x.dim())) + (1,)
+    else:
+        x, perm = x.contiguous(), tuple(range(x.dim()))
+    xp = x.permute(perm)
+    q = xp.float() if xp.dtype == torch.float64 else xp
+    data, lo, step = ops.quantize_uniform(q, None, bits, group_size, True)
+    ctx.codes = ([int(s) for s in xp.shape], q.dtype, bits, group_size, perm)
+    ctx.save_for_backward(data, lo, step, *tensors)
+
+
+def load_codes(ctx) -> Tuple[Optional[Tensor], Tuple[Tensor, ...]]:
+    """(the decoded ``x`` laid out as it was, or None; the other tensors) of
+    :func:`save_codes`."""
+    saved = ctx.saved_tensors
+    if ctx.codes is None:
+        return None, tuple(saved)
+    shape, dtype, bits, group_size, perm = ctx.codes
+    x = ops.dequantize_uniform(saved[0], saved[1], saved[2], shape, bits, group_size, dtype)
+    return x.permute(inverse_order(perm)), tuple(saved[3:])
 
 
 def restore(item: Saved) -> Optional[Tensor]:

@@ -25,14 +25,14 @@ from ..config import LayerQConfig
 from ..quant import Bits, ops, pack_compare, unpack_mask
 from ..quant.api import masked_grad
 from ..quant.tensor import CompressedPayload
-from ._saving import (compress, compress_produced, dequantize_rows, load, restore,
-                      sample_chunks, save)
+from ._saving import (compress, compress_produced, dequantize_rows, load, load_codes, restore,
+                      sample_chunks, save, save_codes)
 
 OptBits = Optional[Bits]
 
 __all__ = ["relu", "leaky_relu", "hardtanh", "relu6", "gelu", "silu", "sigmoid", "tanh", "elu",
            "softplus", "hardswish", "hardsigmoid", "mish", "MaskActivationFunction",
-           "DerivativeActivationFunction",
+           "DerivativeActivationFunction", "TracedDerivativeActivation",
            "activation_derivative", "memory_perm", "to_memory_order", "from_memory_order",
            "load_mask", "BoolMaskReLU"]
 
@@ -364,6 +364,29 @@ class DerivativeActivationFunction(torch.autograd.Function):
         else:
             grad_in = grad * deriv
         return grad_in.to(ctx.in_dtype), None, None, None, None, None
+
+
+class TracedDerivativeActivation(torch.autograd.Function):
+    """The form ``torch.compile`` traces: :class:`DerivativeActivationFunction` at one width,
+    ``f'(x)`` kept as ``actnn_zoo::quantize_uniform`` codes (``_saving.save_codes``), no host
+    work. Rounding the input instead (what the graph would save for torch's op) would make the
+    gradient ``f'(x_hat)``: biased, where ``grad * f'(x)_hat`` is not. Out of place: an
+    in-place layer copies the output into its input outside (a custom Function may not modify
+    a view in place, and a graph has no in-place ops anyway)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, op: str, params: Tuple,  # type: ignore[override]
+                bits: int, group_size: int) -> Tensor:
+        out = _apply_op(op, x, params, False)
+        deriv = activation_derivative(op, x, out, params).to(torch.float32)
+        ctx.in_dtype = x.dtype
+        save_codes(ctx, deriv, bits, group_size)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        deriv, _ = load_codes(ctx)
+        return (grad * deriv).to(ctx.in_dtype), None, None, None, None
 
 
 def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConfig],

@@ -19,7 +19,7 @@ required a gradient the weight gradient raises if differentiated (``guard_second
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,8 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..quant import Bits
 from ._autocast import no_autocast
-from ._saving import (compress, dequantize_rows, large_input, load, restore, sample_chunks,
-                      save)
+from ._saving import (compress, dequantize_rows, large_input, load, load_codes, restore,
+                      sample_chunks, save, save_codes)
 from .linear import cast, dtype_of, guard_second_order, memory_format_of
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -151,6 +151,18 @@ def _padded_shape(shape: torch.Size, spec: ConvSpec) -> torch.Size:
     return torch.Size(list(shape[:2]) + spatial)
 
 
+def _remember(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor,
+              spec: ConvSpec, chunks: int) -> None:
+    """What a conv Function's backward reads besides the saved tensors."""
+    ctx.spec = spec
+    ctx.x_shape = x.shape
+    ctx.xp_shape = _padded_shape(x.shape, spec)
+    ctx.x_format = memory_format_of(x)
+    ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
+    ctx.compute_dtype = out.dtype
+    ctx.chunks = chunks
+
+
 class ConvFunction(torch.autograd.Function):
     """Saves compress(x) (only when the weight needs a gradient) and the weight (a Parameter).
 
@@ -162,89 +174,119 @@ class ConvFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
                 qconfig: LayerQConfig, bits: Bits) -> Tensor:
         out = spec.run(x, weight, bias)  # autocast applies here exactly as in the torch module
-        need_w = ctx.needs_input_grad[1]
-        ctx.spec = spec
-        ctx.x_shape = x.shape
-        ctx.xp_shape = _padded_shape(x.shape, spec)
-        ctx.x_format = memory_format_of(x)
-        ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
-        ctx.compute_dtype = out.dtype
-        ctx.chunks = qconfig.backward_chunks
-        save(ctx, compress(x, qconfig, bits, maps=True) if need_w else None, weight)
+        _remember(ctx, x, weight, bias, out, spec, qconfig.backward_chunks)
+        save(ctx, compress(x, qconfig, bits, maps=True) if ctx.needs_input_grad[1] else None,
+             weight)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
-        # Differentiable ops only: with create_graph=True the graph of the input gradient is
-        # recorded (module docstring).
         x_q, weight = load(ctx)
-        spec: ConvSpec = ctx.spec
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        dt = ctx.compute_dtype
-        pad, extra = spec.backward_padding(tuple(weight.shape[2:]))
-        # F.pad order: last spatial dim first, (before, after) pairs.
-        pad_nd = [v for e in reversed(extra) for v in (0, e)]
-        xp_shape = ctx.xp_shape  # after padding_mode's F.pad
-        padded_shape = xp_shape[:2] + tuple(s + e for s, e in zip(xp_shape[2:], extra))
-        gi = gw = gb = None
-        with no_autocast(grad_out.device.type):
-            go, w = cast(grad_out, dt), cast(weight, dt)
-            layer = f"QConv{'Transpose' if spec.transposed else ''}{spec.dims}d"
+        chunks = sample_chunks(x_q, ctx.chunks) if ctx.needs_input_grad[1] else []
 
-            def conv_backward(go_: Tensor, x: Tensor, mask: List[bool]) -> Tuple[Tensor, ...]:
-                return torch.ops.aten.convolution_backward(
-                    go_, x, w, [go.shape[1]] if mask[2] else None, list(spec.stride), pad,
-                    list(spec.dilation), spec.transposed, spec.output_padding_list(),
-                    spec.groups, mask)
+        def decode(rows: Optional[Tuple[int, int]] = None) -> Tensor:
+            return restore(x_q) if rows is None else dequantize_rows(x_q, *rows)
 
-            def decoded(rows: Optional[Tuple[int, int]] = None) -> Tensor:
-                x = restore(x_q) if rows is None else dequantize_rows(x_q, *rows)
-                x = spec.pad(cast(x, dt).contiguous(memory_format=ctx.x_format))
-                return F.pad(x, pad_nd) if any(extra) else x
+        return conv_backward(ctx, grad_out, weight, decode, chunks, large_input(x_q)) + (
+            None, None, None)
 
-            chunks = sample_chunks(x_q, ctx.chunks) if need_w else []
-            if chunks:
-                # The weight and bias gradients are sums over samples, accumulated chunk by chunk
-                # so that only one chunk of x is decoded at a time; each chunk's input gradient
-                # is written into its rows of one output (one call computes all three).
+
+class TracedConvFunction(torch.autograd.Function):
+    """The form ``torch.compile`` traces: :class:`ConvFunction` at one width, the input kept as
+    ``actnn_zoo::quantize_uniform`` codes (``_saving.save_codes``) and decoded whole in
+    backward. No host work: the graph has no break of its own at the layer."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
+                bits: int, group_size: int) -> Tensor:
+        out = spec.run(x, weight, bias)
+        _remember(ctx, x, weight, bias, out, spec, 1)
+        save_codes(ctx, x if ctx.needs_input_grad[1] else None, bits, group_size, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x, (weight,) = load_codes(ctx)
+        return conv_backward(ctx, grad_out, weight, lambda rows=None: x, [], False) + (
+            None, None, None)
+
+
+def conv_backward(ctx, grad_out: Tensor, weight: Tensor,
+                  decode: Callable[[Optional[Tuple[int, int]]], Tensor],
+                  chunks: List[Tuple[int, int]], large: bool
+                  ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(input, weight, bias) gradients of a conv Function. ``decode(rows)`` gives the saved
+    input (samples ``rows`` of it, or all for None); ``chunks`` the sample ranges to decode one
+    at a time ([] for whole); ``large``: a whole input large enough that the weight gradient
+    is computed first and the decoded input freed before the input gradient exists.
+
+    Differentiable ops only: with create_graph=True the graph of the input gradient is
+    recorded (module docstring)."""
+    spec: ConvSpec = ctx.spec
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    dt = ctx.compute_dtype
+    pad, extra = spec.backward_padding(tuple(weight.shape[2:]))
+    # F.pad order: last spatial dim first, (before, after) pairs.
+    pad_nd = [v for e in reversed(extra) for v in (0, e)]
+    xp_shape = ctx.xp_shape  # after padding_mode's F.pad
+    padded_shape = xp_shape[:2] + tuple(s + e for s, e in zip(xp_shape[2:], extra))
+    gi = gw = gb = None
+    with no_autocast(grad_out.device.type):
+        go, w = cast(grad_out, dt), cast(weight, dt)
+        layer = f"QConv{'Transpose' if spec.transposed else ''}{spec.dims}d"
+
+        def run(go_: Tensor, x: Tensor, mask: List[bool]) -> Tuple[Tensor, ...]:
+            return torch.ops.aten.convolution_backward(
+                go_, x, w, [go.shape[1]] if mask[2] else None, list(spec.stride), pad,
+                list(spec.dilation), spec.transposed, spec.output_padding_list(),
+                spec.groups, mask)
+
+        def decoded(rows: Optional[Tuple[int, int]] = None) -> Tensor:
+            x = spec.pad(cast(decode(rows), dt).contiguous(memory_format=ctx.x_format))
+            return F.pad(x, pad_nd) if any(extra) else x
+
+        if chunks:
+            # The weight and bias gradients are sums over samples, accumulated chunk by chunk
+            # so that only one chunk of x is decoded at a time; each chunk's input gradient
+            # is written into its rows of one output (one call computes all three).
+            if need_x:
+                gi = torch.empty(padded_shape, dtype=dt, device=go.device,
+                                 memory_format=ctx.x_format)
+            for start, stop in chunks:
+                gi_c, gw_c, gb_c = run(go[start:stop], decoded((start, stop)),
+                                       [need_x, True, need_b])
                 if need_x:
-                    gi = torch.empty(padded_shape, dtype=dt, device=go.device,
-                                     memory_format=ctx.x_format)
-                for start, stop in chunks:
-                    gi_c, gw_c, gb_c = conv_backward(go[start:stop], decoded((start, stop)),
-                                                     [need_x, True, need_b])
-                    if need_x:
-                        gi[start:stop].copy_(gi_c)
-                    del gi_c
-                    gw = gw_c if gw is None else gw.add_(gw_c)
-                    if need_b:
-                        gb = gb_c if gb is None else gb.add_(gb_c)
-            elif need_x and need_w and not large_input(x_q):
-                # One call for a small input: its peak does not matter, a second call would
-                # cost more than the arithmetic. Bias grad comes with the weight grad (oneDNN
-                # computes them together); alone, it is just a sum, done below.
-                gi, gw, gb = conv_backward(go, decoded(), [True, True, need_b])
-            elif need_x or need_w:
-                # The weight gradient first, from the decoded input, which is freed before the
-                # input gradient exists: the backward then holds grad_out and one map more, not
-                # two (docs/design.md, "The step's peak").
-                if need_w:
-                    x = decoded()
-                    _, gw, gb = conv_backward(go, x, [False, True, need_b])
-                    del x
-                if need_x:
-                    gi = spec.input_grad(go, w, pad, padded_shape)
-                if need_x and gi is None:
-                    # The op reads the input's shape, not its values, for the input gradient.
-                    shape_only = go.new_empty(()).expand(padded_shape)
-                    gi = conv_backward(go, shape_only, [True, False, False])[0]
+                    gi[start:stop].copy_(gi_c)
+                del gi_c
+                gw = gw_c if gw is None else gw.add_(gw_c)
+                if need_b:
+                    gb = gb_c if gb is None else gb.add_(gb_c)
+        elif need_x and need_w and not large:
+            # One call for a small input: its peak does not matter, a second call would
+            # cost more than the arithmetic. Bias grad comes with the weight grad (oneDNN
+            # computes them together); alone, it is just a sum, done below.
+            gi, gw, gb = run(go, decoded(), [True, True, need_b])
+        elif need_x or need_w:
+            # The weight gradient first, from the decoded input, which is freed before the
+            # input gradient exists: the backward then holds grad_out and one map more, not
+            # two (docs/design.md, "The step's peak").
             if need_w:
-                gw = guard_second_order(gw, weight, f"{layer} weight gradient", need_x)
-            if need_b and not need_w:
-                gb = go.sum([0] + list(range(2, go.dim())))
-            if gi is not None and any(extra):
-                gi = gi[(slice(None), slice(None)) + tuple(slice(0, s) for s in xp_shape[2:])]
-            if gi is not None:
-                gi = spec.pad_backward(gi, ctx.x_shape)
-        return cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None, None
+                x = decoded()
+                _, gw, gb = run(go, x, [False, True, need_b])
+                del x
+            if need_x:
+                gi = spec.input_grad(go, w, pad, padded_shape)
+            if need_x and gi is None:
+                # The op reads the input's shape, not its values, for the input gradient.
+                shape_only = go.new_empty(()).expand(padded_shape)
+                gi = run(go, shape_only, [True, False, False])[0]
+        if need_w:
+            gw = guard_second_order(gw, weight, f"{layer} weight gradient", need_x)
+        if need_b and not need_w:
+            gb = go.sum([0] + list(range(2, go.dim())))
+        if gi is not None and any(extra):
+            gi = gi[(slice(None), slice(None)) + tuple(slice(0, s) for s in xp_shape[2:])]
+        if gi is not None:
+            gi = spec.pad_backward(gi, ctx.x_shape)
+    return cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype)

@@ -17,11 +17,11 @@ from torch import Tensor
 
 from .._session import active_session
 from ._saving import load, save
-from ..quant import pack_compare
+from ..quant import ops, pack_compare
 from ..quant.api import dropout_scale
 from .activation import load_mask, masked_grad_in, memory_perm, to_memory_order
 
-__all__ = ["DropoutFunction", "dropout", "dropout1d", "dropout2d", "dropout3d"]
+__all__ = ["DropoutFunction", "PackedMaskDropout", "dropout", "dropout1d", "dropout2d", "dropout3d"]
 
 
 def _check_p(p: float) -> None:
@@ -77,6 +77,33 @@ class DropoutFunction(torch.autograd.Function):
         # Feature dropout: the (N, C, 1, ...) noise is small and broadcasts in the product.
         noise = load_mask(packed, ctx.mshape, ctx.perm).to(ctx.noise_dtype).div_(1 - ctx.p)
         return grad * noise, None, None, None
+
+
+class PackedMaskDropout(torch.autograd.Function):
+    """The form ``torch.compile`` traces for elementwise dropout with ``0 < p < 1``: the noise
+    drawn as torch draws it, the keep-mask packed to 1 bit by the ``actnn_zoo::pack_mask``
+    operator (a graph keeps an operator's output as it is; a bool mask would cost a byte per
+    value), the gradient rebuilt as :class:`DropoutFunction`'s. Out of place, as
+    :class:`~actnn_zoo.functional.activation.TracedDerivativeActivation`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:  # type: ignore[override]
+        noise = torch.empty_like(x).bernoulli_(1 - p)
+        packed = ops.pack_mask(noise != 0)
+        out = x * noise.div_(1 - p)
+        ctx.p, ctx.shape, ctx.noise_dtype = p, list(x.shape), noise.dtype
+        ctx.save_for_backward(packed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (packed,) = ctx.saved_tensors
+        keep = ops.unpack_mask(packed, ctx.shape)
+        # 1 / (1 - p) rounded to the noise dtype, as torch's noise holds it (a tensor: no
+        # read-back in a graph); grad * 0.0 where dropped, as torch's grad * noise (-0.0 and
+        # NaN pass alike)
+        scale = torch.ones((), dtype=ctx.noise_dtype, device=grad.device).div_(1 - ctx.p)
+        return torch.where(keep, grad * scale, grad * 0.0), None
 
 
 def _trivial(x: Tensor, p: float) -> bool:

@@ -15,7 +15,7 @@ differentiates through it, instead of returning a silently wrong gradient.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,8 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..quant import Bits
 from ._autocast import no_autocast
-from ._saving import compress, dequantize_rows, load, restore, sample_chunks, save
+from ._saving import (compress, dequantize_rows, load, load_codes, restore, sample_chunks, save,
+                      save_codes)
 
 # float64 is compressed through a float32 copy (``_saving.compress``); see check_compressible.
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -134,42 +135,86 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], qconfig: LayerQConfig,
                 bits: Bits) -> Tensor:
         out = F.linear(x, weight, bias)  # autocast applies here exactly as for nn.Linear
-        need_w = ctx.needs_input_grad[1]
         ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
         ctx.compute_dtype = out.dtype
         ctx.chunks = qconfig.backward_chunks
-        save(ctx, compress(x, qconfig, bits, maps=False) if need_w else None, weight)
+        save(ctx, compress(x, qconfig, bits, maps=False) if ctx.needs_input_grad[1] else None,
+             weight)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
-        # Plain torch ops throughout: with create_graph=True (grad mode on here) the input and
-        # bias gradients are recorded, exact and differentiable; see the module docstring.
         x_q, weight = load(ctx)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        dt = ctx.compute_dtype
-        gi = gw = gb = None
-        with no_autocast(grad_out.device.type):
-            go = cast(grad_out, dt)
-            go2 = go.reshape(-1, go.shape[-1])
-            # The weight gradient first: the decoded input is freed before the input gradient
-            # exists, so the backward holds one map less (docs/design.md, "The step's peak").
-            if need_w:
-                chunks = sample_chunks(x_q, ctx.chunks)
-                if chunks:  # sum over samples, one decoded chunk at a time (_saving)
-                    for start, stop in chunks:
-                        x2 = dequantize_rows(x_q, start, stop).to(dt)
-                        gw_c = go[start:stop].reshape(-1, go.shape[-1]).t().matmul(
-                            x2.reshape(-1, x2.shape[-1]))
-                        gw = gw_c if gw is None else gw.add_(gw_c)
-                        del x2
-                else:
-                    x2 = cast(restore(x_q), dt)
-                    gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
-                gw = guard_second_order(gw, weight, "QLinear weight gradient", need_x)
-            if need_x:
-                gi = go.matmul(cast(weight, dt))
-            if need_b:
-                gb = go2.sum(0)
-        return cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype), None, None
+        chunks = sample_chunks(x_q, ctx.chunks) if ctx.needs_input_grad[1] else []
+
+        def decode(rows: Optional[Tuple[int, int]] = None) -> Tensor:
+            return restore(x_q) if rows is None else dequantize_rows(x_q, *rows)
+
+        return linear_backward(ctx, grad_out, weight, decode, chunks) + (None, None)
+
+
+class TracedLinearFunction(torch.autograd.Function):
+    """The form ``torch.compile`` traces: :class:`LinearFunction` at one width, the input kept
+    as ``actnn_zoo::quantize_uniform`` codes (``_saving.save_codes``), no host work."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], bits: int,
+                group_size: int) -> Tensor:
+        out = F.linear(x, weight, bias)
+        ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
+        ctx.compute_dtype = out.dtype
+        save_codes(ctx, x if ctx.needs_input_grad[1] else None, bits, group_size, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x, (weight,) = load_codes(ctx)
+        return linear_backward(ctx, grad_out, weight, lambda rows=None: x, []) + (None, None)
+
+
+def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], bits: int,
+                  group_size: int) -> Tensor:
+    """:class:`TracedLinearFunction` on ``x`` with its leading dims flattened outside the
+    Function: a view made inside a custom Function may not be modified in place later (an
+    in-place activation after a linear layer on (N, T, D) input), a view made outside may."""
+    out = TracedLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, bits,
+                                     group_size)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear_backward(ctx, grad_out: Tensor, weight: Tensor,
+                    decode: Callable[[Optional[Tuple[int, int]]], Tensor],
+                    chunks: List[Tuple[int, int]]
+                    ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(input, weight, bias) gradients of a linear Function; ``decode(rows)`` gives the saved
+    input (samples ``rows``, or all for None), ``chunks`` the sample ranges to decode one at a
+    time ([] for whole).
+
+    Plain torch ops throughout: with create_graph=True (grad mode on here) the input and bias
+    gradients are recorded, exact and differentiable; see the module docstring."""
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    dt = ctx.compute_dtype
+    gi = gw = gb = None
+    with no_autocast(grad_out.device.type):
+        go = cast(grad_out, dt)
+        go2 = go.reshape(-1, go.shape[-1])
+        # The weight gradient first: the decoded input is freed before the input gradient
+        # exists, so the backward holds one map less (docs/design.md, "The step's peak").
+        if need_w:
+            if chunks:  # sum over samples, one decoded chunk at a time (_saving)
+                for start, stop in chunks:
+                    x2 = cast(decode((start, stop)), dt)
+                    gw_c = go[start:stop].reshape(-1, go.shape[-1]).t().matmul(
+                        x2.reshape(-1, x2.shape[-1]))
+                    gw = gw_c if gw is None else gw.add_(gw_c)
+                    del x2
+            else:
+                x2 = cast(decode(None), dt)
+                gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
+            gw = guard_second_order(gw, weight, "QLinear weight gradient", need_x)
+        if need_x:
+            gi = go.matmul(cast(weight, dt))
+        if need_b:
+            gb = go2.sum(0)
+    return cast(gi, x_dtype), cast(gw, w_dtype), cast(gb, b_dtype)

@@ -45,7 +45,7 @@ from ..quant import Bits, QuantizedTensor, ops
 from ..quant.norm_backward import (batch_norm_backward_codes, group_norm_backward_codes,
                                    layer_norm_backward_codes, reads_codes)
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
-                      restore, sample_chunks, save)
+                      load_codes, restore, sample_chunks, save, save_codes)
 from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
 from ._autocast import no_autocast
 from .linear import cast, dtype_of, first_order_only, memory_format_of
@@ -540,3 +540,41 @@ class NormalizedBatchNorm(torch.autograd.Function):
         gb = grad_b.to(weight.dtype if weight is not None else grad.dtype) \
             if has_bias and ctx.needs_input_grad[2] else None
         return grad_x.to(in_dtype), gw, gb, None, None, None
+
+
+class NormalizedLayerNorm(torch.autograd.Function):
+    """Layer norm that saves the normalized input ``x_hat`` as ``bits``-wide codes
+    (``_saving.save_codes``) and the exact per-row ``rstd``, in traceable ops: the form
+    ``torch.compile`` traces. The output is ``aten::native_layer_norm``'s (torch's forward);
+    the backward is :class:`NormalizedBatchNorm`'s per row: linear in ``x_hat`` but for
+    ``x_hat * mean(g * x_hat)``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, normalized_shape: Tuple[int, ...],  # type: ignore[override]
+                weight: Optional[Tensor], bias: Optional[Tensor], eps: float, bits: int,
+                group_size: int) -> Tensor:
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight,
+                                                         bias, eps)
+        rstd = rstd.float()
+        x_hat = (x.float() - mean.float()) * rstd
+        ctx.layout = (len(normalized_shape), x.dtype, bias is not None)
+        save_codes(ctx, x_hat, bits, group_size, rstd, *(() if weight is None else (weight,)))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        x_hat, saved = load_codes(ctx)
+        rstd, weight = saved[0], (saved[1] if len(saved) > 1 else None)
+        k, in_dtype, has_bias = ctx.layout
+        g = grad.float()
+        rows = list(range(g.dim() - k))
+        feats = list(range(g.dim() - k, g.dim()))
+        gw = None if weight is None else (g * x_hat).sum(rows).to(weight.dtype)
+        gb = g.sum(rows).to(grad.dtype if weight is None else weight.dtype) if has_bias else None
+        if weight is not None:
+            g = g * weight.float()
+        gx = rstd * (g - g.mean(feats, keepdim=True)
+                     - x_hat * (g * x_hat).mean(feats, keepdim=True))
+        need = ctx.needs_input_grad
+        return (gx.to(in_dtype) if need[0] else None, None, gw if need[2] else None,
+                gb if need[3] else None, None, None, None)

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Mapping, Optional, Tuple, Type, Union
 import torch
 from torch import Tensor, nn
 
-from .._compile import inline_compiling
+from .._compile import graph_width
 from .._session import active_session
 from .._torch_private import clone_module_state
 from ..capture.mode import call_unrouted
@@ -85,12 +85,21 @@ class QModule:
 
     def quantizing(self) -> bool:
         """True when the next forward should save compressed tensors (training with grad)
-        through the layer's own Function: not while :func:`actnn_zoo.compile` traces it (the
-        compiled graph compresses what the plain forward saves)."""
-        # asked a few times per call (the call, the forward, a precision strategy's hook):
-        # inline_compiling only when compiling at all
+        through the layer's own Function. Not while ``torch.compile`` traces it: the Functions
+        do host work (strategies' widths, the capture store) that would break the graph; a
+        traced layer saves through its traced form instead (:meth:`graph_saves`)."""
         return (self.training and self.qconfig.enabled and _grad_enabled()
-                and not (_is_compiling() and inline_compiling(self)))
+                and not _is_compiling())
+
+    def graph_saves(self) -> Optional[Tuple[int, int]]:
+        """(bits, group size) when ``torch.compile`` traces a training forward of this layer
+        with grad on: layers with a traced form (a Function of ``actnn_zoo::`` operators, whose
+        outputs the graph keeps as they are) then save through it at one width
+        (:func:`actnn_zoo._compile.graph_width`). None otherwise."""
+        if not (_is_compiling() and self.training and self.qconfig.enabled
+                and _grad_enabled()):
+            return None
+        return graph_width(self)
 
     def bits_for(self, x: Tensor) -> Bits:
         """The width(s) for input ``x``: per-sample widths when they fit its batch, else bits.

@@ -7,12 +7,10 @@ require grad, where nothing is saved anyway) exactly the torch forward.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
-import torch
 from torch import Tensor, nn
 
-from .._compile import inline_compiling
 from .._session import ZeroCodeSlot
 from ..config import LayerQConfig
 from ..functional import activation as A
@@ -26,6 +24,16 @@ class _QAct(QModule):
     def _active(self, x: Tensor) -> bool:
         """Compress only when something is saved: training forward that autograd records."""
         return self.quantizing() and x.requires_grad
+
+    def _traced(self, op: str, x: Tensor, params: Tuple = (), inplace: bool = False
+                ) -> Optional[Tensor]:
+        """A smooth activation's traced form while torch.compile traces a training forward
+        (``f'(x)`` kept as codes at the graph's width), else None."""
+        width = self.graph_saves() if x.requires_grad else None
+        if width is None:
+            return None
+        out = A.TracedDerivativeActivation.apply(x, op, params, *width)
+        return x.copy_(out) if inplace else out
 
 
 class QReLU(_QAct, nn.ReLU):
@@ -41,9 +49,8 @@ class QReLU(_QAct, nn.ReLU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        if inline_compiling(self) and self.training and input.requires_grad \
-                and torch.is_grad_enabled():
-            return A.BoolMaskReLU.apply(input, self.inplace)  # actnn_zoo.compile's graph
+        if input.requires_grad and self.graph_saves() is not None:
+            return A.BoolMaskReLU.apply(input, self.inplace)  # traced by torch.compile
         if self._active(input):
             slot = None
             if self.qconfig.relu_codes and input.device.type == "cpu":  # sparse kernels
@@ -113,6 +120,9 @@ class QGELU(_QAct, nn.GELU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("gelu", input, (self.approximate,))
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.gelu(input, self.approximate, self.qconfig, self.bits_for(input))
         return self.plain_forward(nn.GELU, input)
@@ -128,6 +138,9 @@ class QSiLU(_QAct, nn.SiLU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("silu", input, (), self.inplace)
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.silu(input, self.inplace, self.qconfig, self.bits_for(input))
         return self.plain_forward(nn.SiLU, input)
@@ -143,6 +156,9 @@ class QSigmoid(_QAct, nn.Sigmoid):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("sigmoid", input)
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.sigmoid(input, self.qconfig, self.bits_for(input))
         return nn.Sigmoid.forward(self, input)
@@ -158,6 +174,9 @@ class QTanh(_QAct, nn.Tanh):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("tanh", input)
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.tanh(input, self.qconfig, self.bits_for(input))
         return nn.Tanh.forward(self, input)
@@ -174,6 +193,9 @@ class QELU(_QAct, nn.ELU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("elu", input, (float(self.alpha),), self.inplace)
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.elu(input, self.alpha, self.inplace, self.qconfig, self.bits_for(input))
         return nn.ELU.forward(self, input)
@@ -190,6 +212,9 @@ class QSoftplus(_QAct, nn.Softplus):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("softplus", input, (float(self.beta), float(self.threshold)))
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.softplus(input, self.beta, self.threshold, self.qconfig,
                               self.bits_for(input))
@@ -206,6 +231,9 @@ class QHardswish(_QAct, nn.Hardswish):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("hardswish", input, (), self.inplace)
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.hardswish(input, self.inplace, self.qconfig, self.bits_for(input))
         return nn.Hardswish.forward(self, input)
@@ -221,6 +249,9 @@ class QHardsigmoid(_QAct, nn.Hardsigmoid):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("hardsigmoid", input, (), self.inplace)
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.hardsigmoid(input, self.inplace, self.qconfig, self.bits_for(input))
         return nn.Hardsigmoid.forward(self, input)
@@ -236,6 +267,9 @@ class QMish(_QAct, nn.Mish):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        traced = self._traced("mish", input, (), self.inplace)
+        if traced is not None:
+            return traced
         if self._active(input):
             return A.mish(input, self.inplace, self.qconfig, self.bits_for(input))
         return self.plain_forward(nn.Mish, input)

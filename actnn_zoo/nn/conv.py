@@ -16,20 +16,25 @@ from typing import List, Optional, Sequence, Tuple, Union
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
-from ..functional.conv import ConvFunction, ConvSpec
+from ..functional.conv import ConvFunction, ConvSpec, TracedConvFunction
 from ._base import QModule
-from .linear import use_function
+from .linear import traced_width, use_function
 
 _size = Union[int, Tuple[int, ...]]
 
 
-def _run(module: QModule, x: Tensor, spec: ConvSpec) -> Tensor:
-    """Call the Function on a batched input (quantization rows are samples)."""
+def _run(module: QModule, x: Tensor, spec: ConvSpec,
+         width: Optional[Tuple[int, int]] = None) -> Tensor:
+    """Call the Function on a batched input (quantization rows are samples): the traced form
+    at ``width`` (bits, group size) when torch.compile traces the layer."""
     unbatched = x.dim() == spec.dims + 1
     if unbatched:
         x = x.unsqueeze(0)
-    out = ConvFunction.apply(x, module.weight, module.bias, spec, module.qconfig,
-                             module.bits_for(x))
+    if width is not None:
+        out = TracedConvFunction.apply(x, module.weight, module.bias, spec, *width)
+    else:
+        out = ConvFunction.apply(x, module.weight, module.bias, spec, module.qconfig,
+                                 module.bits_for(x))
     return out.squeeze(0) if unbatched else out
 
 
@@ -55,7 +60,8 @@ class _QConvNd(QModule):
     _DIMS: int
 
     def forward(self, input: Tensor) -> Tensor:
-        if not use_function(self, input, self.weight, self.bias):
+        width = traced_width(self, input, self.weight, self.bias)
+        if width is None and not use_function(self, input, self.weight, self.bias):
             return super().forward(input)
         if self.padding_mode != "zeros":  # torch: F.pad(x, ..., mode) then padding 0
             spec = ConvSpec(self._DIMS, tuple(self.stride), (0,) * self._DIMS,
@@ -65,7 +71,7 @@ class _QConvNd(QModule):
             padding = self.padding if isinstance(self.padding, str) else tuple(self.padding)
             spec = ConvSpec(self._DIMS, tuple(self.stride), padding, tuple(self.dilation),
                             self.groups)
-        return _run(self, input, spec)
+        return _run(self, input, spec, width)
 
 
 class _QConvTransposeNd(QModule):
@@ -102,7 +108,8 @@ class _QConvTransposeNd(QModule):
         return tuple(padding)
 
     def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
-        if not use_function(self, input, self.weight, self.bias):
+        width = traced_width(self, input, self.weight, self.bias)
+        if width is None and not use_function(self, input, self.weight, self.bias):
             return super().forward(input, output_size)
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for "
@@ -110,7 +117,7 @@ class _QConvTransposeNd(QModule):
         output_padding = self.output_padding_for(input, output_size)
         spec = ConvSpec(self._DIMS, tuple(self.stride), tuple(self.padding),
                         tuple(self.dilation), self.groups, True, tuple(output_padding))
-        return _run(self, input, spec)
+        return _run(self, input, spec, width)
 
 
 class QConv1d(_QConvNd, nn.Conv1d):

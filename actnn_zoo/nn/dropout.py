@@ -15,6 +15,7 @@ __all__ = ["QDropout", "QDropout1d", "QDropout2d", "QDropout3d"]
 
 class _QDropoutNd(QModule):
     _FN = staticmethod(D.dropout)
+    _ELEMENTWISE = False  # whether torch.compile traces it as D.PackedMaskDropout
 
     def __init__(self, p: float = 0.5, inplace: bool = False,
                  qconfig: Optional[LayerQConfig] = None) -> None:
@@ -22,6 +23,10 @@ class _QDropoutNd(QModule):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        if self._ELEMENTWISE and input.requires_grad and 0 < self.p < 1 \
+                and self.graph_saves() is not None:
+            out = D.PackedMaskDropout.apply(input, self.p)
+            return input.copy_(out) if self.inplace else out
         if self.quantizing() and input.requires_grad:
             return self._FN(input, self.p, self.inplace)
         return self._FLOAT_MODULE.forward(self, input)
@@ -32,6 +37,7 @@ class QDropout(_QDropoutNd, nn.Dropout):
 
     _FLOAT_MODULE = nn.Dropout
     _FN = staticmethod(D.dropout)
+    _ELEMENTWISE = True
 
 
 class QDropout1d(_QDropoutNd, nn.Dropout1d):

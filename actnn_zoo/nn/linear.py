@@ -6,12 +6,13 @@ grad_b = sum(grad_y). Eval / no_grad / qconfig.enabled=False: plain nn.Linear.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
-from ..functional.linear import LinearFunction, check_compressible
+from .._compile import inline_compiling
+from ..functional.linear import LinearFunction, check_compressible, traced_linear
 from ._base import QModule
 
 
@@ -25,6 +26,21 @@ def use_function(module: QModule, x: Tensor, *params: Optional[Tensor]) -> bool:
         return False
     check_compressible(x, type(module).__name__)
     return True
+
+
+def traced_width(module: QModule, x: Tensor, *params: Optional[Tensor]
+                 ) -> Optional[Tuple[int, int]]:
+    """(bits, group size) when torch.compile traces a training forward of a conv or linear
+    layer that autograd records (:meth:`QModule.graph_saves`), else None. None as well under
+    :func:`actnn_zoo.compile`: there the graph's hooks keep the input, once for every op that
+    saves it."""
+    width = module.graph_saves()
+    if width is None or inline_compiling(module):
+        return None
+    if not (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
+        return None
+    check_compressible(x, type(module).__name__)
+    return width
 
 
 class QLinear(QModule, nn.Linear):
@@ -42,6 +58,9 @@ class QLinear(QModule, nn.Linear):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        width = traced_width(self, input, self.weight, self.bias)
+        if width is not None:
+            return traced_linear(input, self.weight, self.bias, *width)
         if not use_function(self, input, self.weight, self.bias):
             return super().forward(input)
         return LinearFunction.apply(input, self.weight, self.bias, self.qconfig,

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
-from .._compile import INLINE_ATTR, inline_compiling
 from ..functional.norm import (BatchNormFunction, GroupNormFunction, LayerNormFunction,
-                               NormalizedBatchNorm, SyncBatchNormFunction)
+                               NormalizedBatchNorm, NormalizedLayerNorm,
+                               SyncBatchNormFunction)
 from ._base import QModule
 from .linear import use_function
 
@@ -66,16 +66,15 @@ class _QBatchNorm(QModule):
             return self.running_mean, self.running_var
         return None, None
 
-    def _compiled_forward(self, input: Tensor) -> Tensor:
-        """Training forward while :func:`actnn_zoo.compile` traces: saves the normalized
-        input (:class:`~actnn_zoo.functional.norm.NormalizedBatchNorm`) for the graph to
-        compress, and updates the running statistics as torch does."""
+    def _compiled_forward(self, input: Tensor, width: Tuple[int, int]) -> Tensor:
+        """Training forward while torch.compile traces: saves the normalized input
+        (:class:`~actnn_zoo.functional.norm.NormalizedBatchNorm`) as codes at ``width`` (bits,
+        group size), and updates the running statistics as torch does."""
         _check_input_rank(self, input)
         factor = self._momentum_factor()
         _verify_batch_size(input.size())
-        switch = getattr(self, INLINE_ATTR)
         out, mean, var = NormalizedBatchNorm.apply(input, self.weight, self.bias, self.eps,
-                                                   switch.bits, switch.group_size)
+                                                   *width)
         if self.track_running_stats and self.running_mean is not None:
             m = input.numel() // input.shape[1]
             with torch.no_grad():
@@ -86,9 +85,9 @@ class _QBatchNorm(QModule):
         return out
 
     def forward(self, input: Tensor) -> Tensor:
-        if inline_compiling(self) and self.training and torch.is_grad_enabled() \
-                and not isinstance(self, nn.SyncBatchNorm):
-            return self._compiled_forward(input)
+        width = self.graph_saves()
+        if width is not None and not isinstance(self, nn.SyncBatchNorm):
+            return self._compiled_forward(input, width)
         if not use_function(self, input, self.weight, self.bias):
             return super().forward(input)
         _check_input_rank(self, input)
@@ -195,6 +194,10 @@ class QLayerNorm(QModule, nn.LayerNorm):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
+        width = self.graph_saves()
+        if width is not None:  # traced by torch.compile
+            return NormalizedLayerNorm.apply(input, tuple(self.normalized_shape), self.weight,
+                                             self.bias, self.eps, *width)
         if not use_function(self, input, self.weight, self.bias):
             return super().forward(input)
         return LayerNormFunction.apply(input, tuple(self.normalized_shape), self.weight,

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor, nn
 
-from .._compile import inline_compiling
 from ..config import LayerQConfig
 from ..functional import pool as P
 from ._base import QModule
@@ -38,8 +36,8 @@ class _QMaxPoolNd(_QPool):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor):
-        if self._ND == 2 and not self.return_indices and inline_compiling(self) \
-                and self.training and input.requires_grad and torch.is_grad_enabled():
+        if self._ND == 2 and not self.return_indices and input.requires_grad \
+                and self.graph_saves() is not None:
             kernel, stride, padding, dilation = (_pair(v) for v in (
                 self.kernel_size, self.stride or self.kernel_size, self.padding, self.dilation))
             if kernel[0] * kernel[1] <= 256:  # a position fits a byte

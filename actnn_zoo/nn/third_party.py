@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
-from ..functional.linear import LinearFunction
+from ..functional.linear import LinearFunction, traced_linear
 from ..functional.norm import LayerNormFunction
 from ._base import QModule
 from .activation import QGELU, QMish, QSiLU
-from .linear import use_function
+from .linear import traced_width, use_function
 from .norm import QLayerNorm, _QBatchNorm
 from .rmsnorm import QRMSNorm
 
@@ -85,6 +85,9 @@ class QHFConv1D(_ForeignOnly, nn.Module):
     nx: int
 
     def forward(self, x: Tensor) -> Tensor:
+        width = traced_width(self, x, self.weight, self.bias)
+        if width is not None:
+            return traced_linear(x, self.weight.t(), self.bias, *width)
         if not use_function(self, x, self.weight, self.bias):
             return self.plain_forward(None, x)
         return LinearFunction.apply(x, self.weight.t(), self.bias, self.qconfig,
@@ -116,9 +119,9 @@ class QBatchNormAct2d(_ForeignOnly, _QBatchNorm, nn.BatchNorm2d):
     _INPUT_RANKS = (4,)
 
     def forward(self, input: Tensor) -> Tensor:
-        if not use_function(self, input, self.weight, self.bias):
+        if self.graph_saves() is None and not use_function(self, input, self.weight, self.bias):
             return self.plain_forward(None, input)
-        x = _QBatchNorm.forward(self, input)
+        x = _QBatchNorm.forward(self, input)  # its traced form under torch.compile
         return self.act(self.drop(x))
 
 
