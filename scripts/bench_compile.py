@@ -9,7 +9,10 @@ For each model (random init, nothing downloaded), with dropout off so that runs 
   more);
 * held: the bytes a training forward leaves alive (glibc's allocator count around the forward,
   after warm-up), for fp32, the eager converted model (default settings), torch.compile of the
-  plain model, torch.compile of the converted model and actnn_zoo.compile of it;
+  plain model, torch.compile of the converted model and actnn_zoo.compile of it; and for the
+  compiled ones the bytes their graph saves, parameters excluded (exact: with many small
+  saves, as GPT-2's here, the allocator count runs low, the saves reusing chunks the previous
+  backward freed);
 * cosine: the smallest per-parameter gradient cosine against eager fp32 at 8 bits, for the
   eager converted model, torch.compile of it and actnn_zoo.compile.
 
@@ -77,8 +80,35 @@ def held_bytes(loss_of: Callable[[nn.Module], torch.Tensor], model: nn.Module,
         loss = loss_of(model)
         held = malloc_live_bytes() - before
         loss.backward()
+        del loss  # its graph and outputs go now, not during the next forward's count
         model.zero_grad(set_to_none=True)
     return held
+
+
+def graph_saved_bytes(loss_of: Callable[[nn.Module], torch.Tensor], model: nn.Module
+                      ) -> Optional[int]:
+    """Bytes a compiled graph saves for backward, parameters and buffers excluded: the saved
+    tensors of the step's compiled autograd nodes (None for an eager model). Exact where the
+    allocator count is not: many small saves reuse chunks the previous backward freed, which
+    glibc still counts as in use."""
+    own = {t.untyped_storage().data_ptr()
+           for t in list(model.parameters()) + list(model.buffers())}
+    loss = loss_of(model)
+    seen, todo, total, compiled = set(), [loss.grad_fn], 0, False
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            compiled = True
+            for t in node.saved_tensors:
+                if t is not None and t.untyped_storage().data_ptr() not in own:
+                    total += t.numel() * t.element_size()
+        todo += [f for f, _ in node.next_functions]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total if compiled else None
 
 
 def min_cosine(ref: nn.Module, other: nn.Module) -> Tuple[float, str]:
@@ -107,6 +137,7 @@ def measure(name: str) -> str:
             "actnn_zoo.compile": az.compile(az.convert_model(copy.deepcopy(base)),
                                             backend=counting_backend(counts, "zoo"))}
     held = {k: held_bytes(loss_of, m) for k, m in runs.items()}
+    graph = {k: graph_saved_bytes(loss_of, m) for k, m in runs.items()}
     ref = copy.deepcopy(base)
     loss_of(ref).backward()
     eager8 = az.convert_model(copy.deepcopy(base), bits=8)
@@ -117,9 +148,12 @@ def measure(name: str) -> str:
     loss_of(torch.compile(traced8, backend="aot_eager")).backward()
     lines = [f"\n{name}: graphs torch.compile {counts.get('plain')} / of the converted model "
              f"{counts.get('converted')} / actnn_zoo.compile {counts.get('zoo')}",
-             f"{'mode':20s} | {'held MiB':>9s} | {'x less than fp32':>16s}"]
+             f"{'mode':21s} | {'held MiB':>9s} | {'x less than fp32':>16s} | "
+             f"{'graph saves MiB':>15s}"]
     for k, v in held.items():
-        lines.append(f"{k:20s} | {v / 2 ** 20:9.3f} | {held['fp32'] / max(v, 1):16.1f}")
+        saved = "" if graph[k] is None else f"{graph[k] / 2 ** 20:15.3f}"
+        lines.append(f"{k:21s} | {v / 2 ** 20:9.3f} | {held['fp32'] / max(v, 1):16.1f} | "
+                     f"{saved:>15s}")
     for k in ("torch.compile default", "actnn_zoo.compile"):
         lines.append(f"{k} held / eager default held: {held[k] / held['eager default']:.2f}")
     for tag, m in (("eager converted", eager8), ("torch.compile converted", traced8),

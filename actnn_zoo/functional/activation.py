@@ -192,8 +192,8 @@ def _claimed_grad(claim: ZeroCodeClaim, grad: Tensor) -> Tensor:
     """ReLU's backward from its claim: the mask of the consumer's sparse codes (``x != 0`` of
     the output, which for a ReLU output is ``threshold_backward``'s predicate), else the mask
     packed at the end of the forward."""
-    if claim.q is not None:  # sparse codes: their mask is ReLU's, in logical order
-        return masked_grad(grad, claim.q.mask)
+    if claim.sparse_mask is not None:  # sparse codes: their mask is ReLU's, logical order
+        return masked_grad(grad, claim.sparse_mask)
     if claim.mask is not None:
         packed, shape, perm = claim.mask
         return masked_grad_in(grad, packed, shape, perm, None, None)
