@@ -4,9 +4,9 @@ A plain ``torch.compile`` of a converted model has no break either: its Q-layers
 their traced forms (:meth:`~actnn_zoo.nn._base.QModule.graph_saves`), but nothing else is
 compressed (attention, the loss, layers without a traced form). This path also traces conv
 and linear as their torch forwards (:func:`_compile.inline_compiling`) and puts the
-compression of every saved tensor into the graph itself: AOTAutograd inlines saved-tensor hooks given
-as ``torch.fx.GraphModule`` s into the forward graph's end (pack) and the backward graph's start
-(unpack). It applies them to the tensors the graph saves that it also frees -- intermediates,
+compression of every saved tensor into the graph itself: AOTAutograd inlines saved-tensor
+hooks given as ``torch.fx.GraphModule`` s into the forward graph's end (pack) and the backward
+graph's start (unpack). It applies them to the tensors the graph saves that it also frees -- intermediates,
 never the model's inputs, parameters or buffers. What each saved tensor becomes:
 
 * floating point with at least ``min_numel`` values (default 1024), and not a

@@ -12,7 +12,7 @@ other saved tensor (attention, the loss).
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import pytest
 import torch
@@ -185,9 +185,11 @@ def test_traced_layer_saves_codes_not_its_input():
 
 
 def _check_third_party(make: Callable[[], nn.Module], loss_of: Callable[[nn.Module], torch.Tensor],
-                       held_vs_eager: float) -> None:
-    """No more graphs than the plain model's; bytes held after forward within
-    ``held_vs_eager`` of the eager converted model's; 30 compiled steps train."""
+                       held_vs_eager: Optional[float], saves_vs_plain: float) -> None:
+    """No more graphs than the plain model's; bytes held after forward (the allocator's
+    count) within ``held_vs_eager`` of the eager converted model's; the bytes the graph saves
+    (parameters excluded, exact) at most ``saves_vs_plain`` of what torch.compile of the plain
+    model saves; 30 compiled steps train."""
     torch.manual_seed(0)
     base = make().train()
     for m in base.modules():
@@ -205,7 +207,12 @@ def _check_third_party(make: Callable[[], nn.Module], loss_of: Callable[[nn.Modu
             held[name] = _held(lambda: loss_of(m))  # noqa: B023
             m.zero_grad(set_to_none=True)
     assert counts["converted"] <= counts["plain"], counts
-    assert held["compiled"] <= held_vs_eager * held["eager"], held
+    if held_vs_eager is not None:
+        assert held["compiled"] <= held_vs_eager * held["eager"], held
+    graph_saves = load_script("bench_compile.py").graph_saved_bytes
+    saves = {k: graph_saves(lambda m: loss_of(m), m) for k, m in  # noqa: B023
+             (("plain", plain), ("compiled", compiled))}
+    assert saves["compiled"] <= saves_vs_plain * saves["plain"], saves
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for _ in range(30):
@@ -220,27 +227,29 @@ def _check_third_party(make: Callable[[], nn.Module], loss_of: Callable[[nn.Modu
 
 
 def test_resnet50_no_extra_graph_compressed_and_trains():
-    """torchvision ResNet-50 (batch 2, 32x32): every Q-layer traced, so the graph saves what
-    the eager converted model does but for ReLU outputs (a 1-bit mask and the next conv's
-    2-bit codes instead of sparse codes): within 1.2x of its bytes."""
+    """torchvision ResNet-50 (batch 2, 32x32): every Q-layer traced. Measured here: the graph
+    saves 0.096x what torch.compile of the plain model saves, and the forward leaves 0.62x
+    the eager converted model's bytes alive."""
     tv = pytest.importorskip("torchvision")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
     _check_third_party(lambda: tv.models.resnet50(weights=None, num_classes=10),
-                       lambda m: F.cross_entropy(m(x), y), 1.2)
+                       lambda m: F.cross_entropy(m(x), y), 1.2, 0.15)
 
 
 def test_gpt2_no_extra_graph_and_trains():
-    """transformers GPT-2 (2 layers of width 64): no graph break of the library's own. Only
-    its Conv1D inputs are traced (attention, layer norms, GELU and the loss save what torch
-    saves, as capture does not run in a graph): measured, its bytes are ~6x the eager
-    converted model's (scripts/bench_compile.py); actnn_zoo.compile compresses the rest."""
+    """transformers GPT-2 (2 layers of width 64): no graph break of the library's own. Its
+    Conv1D, layer norms, GELU and dropout are traced; attention and the loss save what torch
+    saves (capture does not run in a graph; actnn_zoo.compile compresses them). Measured
+    here: the graph saves 0.31x what torch.compile of the plain model saves. The allocator's
+    count is not asserted: with saves this small it reads low, the saves reusing chunks the
+    previous backward freed (scripts/bench_compile.py)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
                                   n_positions=64, use_cache=False)
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     _check_third_party(lambda: transformers.GPT2LMHeadModel(cfg),
-                       lambda m: m(ids, labels=ids).loss, 8.0)
+                       lambda m: m(ids, labels=ids).loss, None, 0.45)
 
 
 SMOOTH = {
