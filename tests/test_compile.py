@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import actnn_zoo as az
-from actnn_zoo.bench import malloc_live_bytes
 from actnn_zoo.convert import precision_strategy
 
+from _graphs import counting, grad_nodes, held_bytes, min_cosine, no_dropout
 from _scripts import load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,38 +44,6 @@ def _model() -> nn.Module:
                          nn.Linear(8, 10))
 
 
-def _counting(counts: Dict[str, int], tag: str) -> Callable:
-    return load_script("bench_compile.py").counting_backend(counts, tag)
-
-
-def _grad_nodes(out: torch.Tensor) -> set:
-    nodes, todo = set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in nodes:
-            nodes.add(node)
-            todo += [f for f, _ in node.next_functions]
-    return {type(n).__name__ for n in nodes}
-
-
-def _held(step: Callable[[], torch.Tensor]) -> int:
-    """Bytes a forward leaves alive (its output included), from the C allocator."""
-    before = malloc_live_bytes()
-    out = step()
-    after = malloc_live_bytes()
-    out.backward()
-    return after - before
-
-
-def _min_cosine(ref: nn.Module, other: nn.Module) -> float:
-    cos = []
-    for (name, a), b in zip(ref.named_parameters(), other.parameters()):
-        if a.grad is not None and a.grad.any():
-            cos.append(F.cosine_similarity(a.grad.flatten().double(),
-                                           b.grad.flatten().double(), 0).item())
-    return min(cos)
-
-
 @pytest.mark.parametrize("eager_steps", [0, 12], ids=["compiled-from-start", "after-12-eager"])
 def test_default_trains_compiled_and_eager_in_turn(eager_steps):
     """Compiled steps between eager ones: the compiled graph has no more graphs than the plain
@@ -89,10 +57,10 @@ def test_default_trains_compiled_and_eager_in_turn(eager_steps):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
     counts: Dict[str, int] = {}
-    plain = torch.compile(base, backend=_counting(counts, "plain"))
+    plain = torch.compile(base, backend=counting(counts, "plain"))
     F.cross_entropy(plain(x), y).backward()
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
-    compiled = torch.compile(model, backend=_counting(counts, "converted"))
+    compiled = torch.compile(model, backend=counting(counts, "converted"))
     losses = []
     plan = ["eager"] * eager_steps + ["compiled"] * 14 + ["eager"] * 2
     for run in plan:
@@ -109,9 +77,9 @@ def test_default_trains_compiled_and_eager_in_turn(eager_steps):
         assert model[0].sample_bits is not None  # the eager steps' allocation
     # a compiled step is one graph (the traced forms inside it); an eager one runs the
     # Q-layers' own Functions
-    assert _grad_nodes(compiled(x)) == {"CompiledFunctionBackward", "AccumulateGrad"}
+    assert grad_nodes(compiled(x)) == {"CompiledFunctionBackward", "AccumulateGrad"}
     assert {"ConvFunctionBackward", "BatchNormFunctionBackward",
-            "LinearFunctionBackward"} <= _grad_nodes(model(x))
+            "LinearFunctionBackward"} <= grad_nodes(model(x))
 
 
 def test_compiled_gradients_match_eager_fp32_at_8_bits():
@@ -121,7 +89,7 @@ def test_compiled_gradients_match_eager_fp32_at_8_bits():
     x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
     F.cross_entropy(ref(x), y).backward()
     F.cross_entropy(torch.compile(q, backend="aot_eager")(x), y).backward()
-    assert _min_cosine(ref, q) >= 0.9999
+    assert min_cosine(ref, q) >= 0.9999
 
 
 # Conv and linear shapes the traced forms share their backward with the eager Functions for.
@@ -191,20 +159,17 @@ def _check_third_party(make: Callable[[], nn.Module], loss_of: Callable[[nn.Modu
     (parameters excluded, exact) at most ``saves_vs_plain`` of what torch.compile of the plain
     model saves; 30 compiled steps train."""
     torch.manual_seed(0)
-    base = make().train()
-    for m in base.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
+    base = no_dropout(make().train())
     counts: Dict[str, int] = {}
-    plain = torch.compile(copy.deepcopy(base), backend=_counting(counts, "plain"))
+    plain = torch.compile(copy.deepcopy(base), backend=counting(counts, "plain"))
     eager_q = az.convert_model(copy.deepcopy(base))
     model = az.convert_model(copy.deepcopy(base))
-    compiled = torch.compile(model, backend=_counting(counts, "converted"))
+    compiled = torch.compile(model, backend=counting(counts, "converted"))
     held = {}
     for name, m in (("fp32", base), ("plain", plain), ("eager", eager_q),
                     ("compiled", compiled)):
         for _ in range(2):
-            held[name] = _held(lambda: loss_of(m))  # noqa: B023
+            held[name] = held_bytes(lambda: loss_of(m))  # noqa: B023
             m.zero_grad(set_to_none=True)
     assert counts["converted"] <= counts["plain"], counts
     if held_vs_eager is not None:

@@ -19,9 +19,8 @@ from torch import nn
 
 import actnn_zoo as az
 from actnn_zoo._compile import INLINE_ATTR
-from actnn_zoo.bench import malloc_live_bytes
 
-from _scripts import load_script
+from _graphs import counting, grad_nodes, held_bytes, min_cosine, no_dropout
 
 
 def _cnn() -> nn.Module:
@@ -33,11 +32,6 @@ def _cnn() -> nn.Module:
                          nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 32, 3, padding=1, bias=False),
                          nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                          nn.Linear(32, 10))
-
-
-def _counting(counts: Dict[str, int], tag: str) -> Callable:
-    """aot_eager, counting the graphs it is given (scripts/bench_compile.py's)."""
-    return load_script("bench_compile.py").counting_backend(counts, tag)
 
 
 def _train_30_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
@@ -54,48 +48,18 @@ def _train_30_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def _held(step: Callable[[], torch.Tensor]) -> int:
-    """Bytes a forward leaves alive (its output included), from the C allocator."""
-    before = malloc_live_bytes()
-    out = step()
-    after = malloc_live_bytes()
-    out.backward()
-    return after - before
-
-
-def _min_cosine(ref: nn.Module, other: nn.Module) -> float:
-    """The smallest gradient cosine over parameters; one with an all-zero reference gradient
-    must have an all-zero gradient too (a cosine is undefined there)."""
-    cos = []
-    for (name, a), b in zip(ref.named_parameters(), other.parameters()):
-        if a.grad is None:
-            assert b.grad is None, name
-        elif not a.grad.any():
-            assert not b.grad.any(), name
-        else:
-            cos.append(F.cosine_similarity(a.grad.flatten(), b.grad.flatten(), 0).item())
-    return min(cos)
-
-
-def _no_dropout(m: nn.Module) -> nn.Module:
-    for mod in m.modules():
-        if isinstance(mod, nn.Dropout):
-            mod.p = 0.0
-    return m
-
-
 def _check_model(make: Callable[[], nn.Module], loss_of: Callable[[nn.Module], torch.Tensor]):
     torch.manual_seed(0)
-    base = _no_dropout(make().train())
+    base = no_dropout(make().train())
     counts: Dict[str, int] = {}
-    plain = torch.compile(copy.deepcopy(base), backend=_counting(counts, "plain"))
+    plain = torch.compile(copy.deepcopy(base), backend=counting(counts, "plain"))
     eager_q = az.convert_model(copy.deepcopy(base))
     compiled = az.compile(az.convert_model(copy.deepcopy(base)),
-                          backend=_counting(counts, "zoo"))
+                          backend=counting(counts, "zoo"))
     held = {}
     for name, m in (("fp32", base), ("plain", plain), ("eager", eager_q), ("zoo", compiled)):
         for _ in range(3):  # compiled on the first; the strategy's first allocations
-            held[name] = _held(lambda: loss_of(m))  # noqa: B023
+            held[name] = held_bytes(lambda: loss_of(m))  # noqa: B023
             m.zero_grad(set_to_none=True)
     assert counts["zoo"] <= counts["plain"], counts
     assert held["zoo"] <= 1.2 * held["eager"], held
@@ -105,7 +69,7 @@ def _check_model(make: Callable[[], nn.Module], loss_of: Callable[[nn.Module], t
     q8 = az.convert_model(copy.deepcopy(base), bits=8)
     loss_of(ref).backward()
     loss_of(az.compile(q8, backend="aot_eager")).backward()
-    cos = _min_cosine(ref, q8)
+    cos = min_cosine(ref, q8)
     assert cos >= 0.9999, cos
     return base, compiled
 
@@ -166,13 +130,7 @@ def test_wrapper_keeps_one_copy_and_switches_off():
     assert switch.on is False
     # the model itself, called eagerly, still runs its Q-layers' Functions
     out = model(torch.randn(2, 3, 8, 8, requires_grad=True))
-    nodes, todo = set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in nodes:
-            nodes.add(node)
-            todo += [f for f, _ in node.next_functions]
-    names = {type(n).__name__ for n in nodes}
+    names = grad_nodes(out)
     assert {"ConvFunctionBackward", "BatchNormFunctionBackward",
             "LinearFunctionBackward"} <= names, names
     assert az.capture_report(model) is not None
@@ -201,14 +159,14 @@ def test_resnet50_one_graph_compressed_and_trains(one_thread):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
     counts: Dict[str, int] = {}
-    plain = torch.compile(copy.deepcopy(base), backend=_counting(counts, "plain"))
+    plain = torch.compile(copy.deepcopy(base), backend=counting(counts, "plain"))
     eager_q = az.convert_model(copy.deepcopy(base))
     model = az.convert_model(copy.deepcopy(base))
-    compiled = az.compile(model, backend=_counting(counts, "zoo"))
+    compiled = az.compile(model, backend=counting(counts, "zoo"))
     held = {}
     for name, m in (("fp32", base), ("plain", plain), ("eager", eager_q), ("zoo", compiled)):
         for _ in range(2):
-            held[name] = _held(lambda: F.cross_entropy(m(x), y))  # noqa: B023
+            held[name] = held_bytes(lambda: F.cross_entropy(m(x), y))  # noqa: B023
             m.zero_grad(set_to_none=True)
     assert counts["zoo"] <= counts["plain"], counts
     assert held["zoo"] <= 1.2 * held["eager"], held
@@ -228,7 +186,7 @@ def test_inductor_gradients_match_at_8_bits(one_thread):
     F.cross_entropy(ref(x), y).backward()
     q8 = az.convert_model(copy.deepcopy(base), bits=8)
     F.cross_entropy(az.compile(q8, dynamic=True)(x), y).backward()
-    assert _min_cosine(ref, q8) >= 0.9999
+    assert min_cosine(ref, q8) >= 0.9999
 
 
 class _RawWeight(nn.Module):

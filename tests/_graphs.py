@@ -1,0 +1,61 @@
+"""Helpers shared by the torch.compile tests (tests/test_compile.py, tests/test_compiled.py):
+graphs counted, bytes a forward leaves alive, gradient cosines, the nodes of a graph."""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actnn_zoo.bench import malloc_live_bytes
+
+from _scripts import load_script
+
+
+def counting(counts: Dict[str, int], tag: str) -> Callable:
+    """aot_eager, counting the graphs it is given (scripts/bench_compile.py's)."""
+    return load_script("bench_compile.py").counting_backend(counts, tag)
+
+
+def held_bytes(step: Callable[[], torch.Tensor]) -> int:
+    """Bytes a forward leaves alive (its output included), from the C allocator."""
+    before = malloc_live_bytes()
+    out = step()
+    after = malloc_live_bytes()
+    out.backward()
+    return after - before
+
+
+def min_cosine(ref: nn.Module, other: nn.Module) -> float:
+    """The smallest gradient cosine over parameters; one with an all-zero reference gradient
+    must have an all-zero gradient too (a cosine is undefined there)."""
+    cos = []
+    for (name, a), b in zip(ref.named_parameters(), other.parameters()):
+        if a.grad is None:
+            assert b.grad is None, name
+        elif not a.grad.any():
+            assert not b.grad.any(), name
+        else:
+            cos.append(F.cosine_similarity(a.grad.flatten().double(),
+                                           b.grad.flatten().double(), 0).item())
+    return min(cos)
+
+
+def no_dropout(m: nn.Module) -> nn.Module:
+    """Dropout off, so that runs compare."""
+    for mod in m.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+    return m
+
+
+def grad_nodes(out: torch.Tensor) -> set:
+    """The class names of the autograd nodes ``out`` was made by."""
+    nodes, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            todo += [f for f, _ in node.next_functions]
+    return {type(n).__name__ for n in nodes}
