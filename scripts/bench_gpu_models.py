@@ -12,9 +12,11 @@ measured in this process on the same device:
 * ``2-bit default``: ``convert_model(model)`` (auto precision, a 2-bit average).
 * ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) per residual block (ResNet-50) or
   per transformer block (GPT-2, through ``transformers``' own switch).
-* on request (``--modes "compiled fp32" "compiled default"``): ``torch.compile`` of the plain
-  model, and ``actnn_zoo.compile`` of ``convert_model(model)`` (inductor); no saved-bytes
-  report for them (the graph saves what the hooks never see); their step peak says it.
+* on request (``--modes "compiled fp32" "compiled default" "torch.compile default"``):
+  ``torch.compile`` of the plain model, ``actnn_zoo.compile`` of ``convert_model(model)`` and
+  ``torch.compile`` of ``convert_model(model)`` (the Q-layers' traced forms), inductor; no
+  saved-bytes report for them (the graph saves what the hooks never see); their step peak
+  says it.
 
 For each: saved-activation bytes of one training forward plus the loss (after the warm-up
 steps, so auto precision has applied its first allocation), the step's peak memory over what
@@ -53,7 +55,7 @@ MiB = 2 ** 20
 MODES = ("fp32", "2-bit uniform", "2-bit default", "checkpoint")
 # Asked for by name (--modes): each compiles for minutes, and their saves happen inside the
 # graph, where the saved-bytes hooks do not see them (the step's peak does).
-COMPILED_MODES = ("compiled fp32", "compiled default")
+COMPILED_MODES = ("compiled fp32", "compiled default", "torch.compile default")
 FLOAT_DTYPES = ("float32", "float16", "float64")
 
 
@@ -155,6 +157,8 @@ class Workload:
             model = torch.compile(model)
         elif mode == "compiled default":
             model = az.compile(az.convert_model(model))
+        elif mode == "torch.compile default":
+            model = torch.compile(az.convert_model(model))
         return model
 
     def batch(self, n: int, device: torch.device) -> Tuple[Tensor, Tensor]:

@@ -7,8 +7,8 @@
 #   PHASES="build suite" bash scripts/gpu_report.sh  # the whole test suite on the GPU machine
 #
 # Phases (PHASES, in this order): build, cuda_tests, kernels, models, compiled (torch.compile
-# of the plain model and actnn_zoo.compile of the default, step time and peak, no largest
-# batch), suite (not by default).
+# of the plain model, actnn_zoo.compile of the default and torch.compile of the default, step
+# time and peak, no largest batch), suite (not by default).
 # Each phase runs under its own time limit and writes one file into OUTDIR, so that a phase
 # that fails or runs out of time still leaves the others' results; summary.txt says how each
 # ended. TOTAL_SECONDS (default 570) bounds the whole run: a phase gets at most what is left.
@@ -63,6 +63,7 @@ run_phase models 480 models.log \
 
 run_phase compiled 300 compiled.log \
   "$PY" scripts/bench_gpu_models.py --modes fp32 "compiled fp32" "compiled default" \
+  "torch.compile default" \
   --no-max-batch
 
 run_phase suite 480 suite.log \
