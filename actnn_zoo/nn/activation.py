@@ -49,8 +49,6 @@ class QReLU(_QAct, nn.ReLU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.requires_grad and self.graph_saves() is not None:
-            return A.BoolMaskReLU.apply(input, self.inplace)  # traced by torch.compile
         if self._active(input):
             slot = None
             if self.qconfig.relu_codes and input.device.type == "cpu":  # sparse kernels
@@ -58,6 +56,8 @@ class QReLU(_QAct, nn.ReLU):
                 if slot is None:
                     slot = self._zero_codes = ZeroCodeSlot()
             return A.relu(input, self.inplace, slot)
+        if input.requires_grad and self.graph_saves() is not None:
+            return A.BoolMaskReLU.apply(input, self.inplace)  # traced by torch.compile
         return nn.ReLU.forward(self, input)
 
 
@@ -120,12 +120,10 @@ class QGELU(_QAct, nn.GELU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("gelu", input, (self.approximate,))
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.gelu(input, self.approximate, self.qconfig, self.bits_for(input))
-        return self.plain_forward(nn.GELU, input)
+        traced = self._traced("gelu", input, (self.approximate,))
+        return self.plain_forward(nn.GELU, input) if traced is None else traced
 
 
 class QSiLU(_QAct, nn.SiLU):
@@ -138,12 +136,10 @@ class QSiLU(_QAct, nn.SiLU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("silu", input, (), self.inplace)
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.silu(input, self.inplace, self.qconfig, self.bits_for(input))
-        return self.plain_forward(nn.SiLU, input)
+        traced = self._traced("silu", input, (), self.inplace)
+        return self.plain_forward(nn.SiLU, input) if traced is None else traced
 
 
 class QSigmoid(_QAct, nn.Sigmoid):
@@ -156,12 +152,10 @@ class QSigmoid(_QAct, nn.Sigmoid):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("sigmoid", input)
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.sigmoid(input, self.qconfig, self.bits_for(input))
-        return nn.Sigmoid.forward(self, input)
+        traced = self._traced("sigmoid", input)
+        return nn.Sigmoid.forward(self, input) if traced is None else traced
 
 
 class QTanh(_QAct, nn.Tanh):
@@ -174,12 +168,10 @@ class QTanh(_QAct, nn.Tanh):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("tanh", input)
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.tanh(input, self.qconfig, self.bits_for(input))
-        return nn.Tanh.forward(self, input)
+        traced = self._traced("tanh", input)
+        return nn.Tanh.forward(self, input) if traced is None else traced
 
 
 class QELU(_QAct, nn.ELU):
@@ -193,12 +185,10 @@ class QELU(_QAct, nn.ELU):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("elu", input, (float(self.alpha),), self.inplace)
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.elu(input, self.alpha, self.inplace, self.qconfig, self.bits_for(input))
-        return nn.ELU.forward(self, input)
+        traced = self._traced("elu", input, (float(self.alpha),), self.inplace)
+        return nn.ELU.forward(self, input) if traced is None else traced
 
 
 class QSoftplus(_QAct, nn.Softplus):
@@ -212,13 +202,11 @@ class QSoftplus(_QAct, nn.Softplus):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("softplus", input, (float(self.beta), float(self.threshold)))
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.softplus(input, self.beta, self.threshold, self.qconfig,
                               self.bits_for(input))
-        return nn.Softplus.forward(self, input)
+        traced = self._traced("softplus", input, (float(self.beta), float(self.threshold)))
+        return nn.Softplus.forward(self, input) if traced is None else traced
 
 
 class QHardswish(_QAct, nn.Hardswish):
@@ -231,12 +219,10 @@ class QHardswish(_QAct, nn.Hardswish):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("hardswish", input, (), self.inplace)
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.hardswish(input, self.inplace, self.qconfig, self.bits_for(input))
-        return nn.Hardswish.forward(self, input)
+        traced = self._traced("hardswish", input, (), self.inplace)
+        return nn.Hardswish.forward(self, input) if traced is None else traced
 
 
 class QHardsigmoid(_QAct, nn.Hardsigmoid):
@@ -249,12 +235,10 @@ class QHardsigmoid(_QAct, nn.Hardsigmoid):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("hardsigmoid", input, (), self.inplace)
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.hardsigmoid(input, self.inplace, self.qconfig, self.bits_for(input))
-        return nn.Hardsigmoid.forward(self, input)
+        traced = self._traced("hardsigmoid", input, (), self.inplace)
+        return nn.Hardsigmoid.forward(self, input) if traced is None else traced
 
 
 class QMish(_QAct, nn.Mish):
@@ -267,9 +251,7 @@ class QMish(_QAct, nn.Mish):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        traced = self._traced("mish", input, (), self.inplace)
-        if traced is not None:
-            return traced
         if self._active(input):
             return A.mish(input, self.inplace, self.qconfig, self.bits_for(input))
-        return self.plain_forward(nn.Mish, input)
+        traced = self._traced("mish", input, (), self.inplace)
+        return self.plain_forward(nn.Mish, input) if traced is None else traced

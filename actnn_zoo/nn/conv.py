@@ -60,9 +60,11 @@ class _QConvNd(QModule):
     _DIMS: int
 
     def forward(self, input: Tensor) -> Tensor:
-        width = traced_width(self, input, self.weight, self.bias)
-        if width is None and not use_function(self, input, self.weight, self.bias):
-            return super().forward(input)
+        width = None  # eager training: the Function; traced by torch.compile: its traced form
+        if not use_function(self, input, self.weight, self.bias):
+            width = traced_width(self, input, self.weight, self.bias)
+            if width is None:
+                return super().forward(input)
         if self.padding_mode != "zeros":  # torch: F.pad(x, ..., mode) then padding 0
             spec = ConvSpec(self._DIMS, tuple(self.stride), (0,) * self._DIMS,
                             tuple(self.dilation), self.groups, pad_mode=self.padding_mode,
@@ -108,9 +110,11 @@ class _QConvTransposeNd(QModule):
         return tuple(padding)
 
     def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
-        width = traced_width(self, input, self.weight, self.bias)
-        if width is None and not use_function(self, input, self.weight, self.bias):
-            return super().forward(input, output_size)
+        width = None
+        if not use_function(self, input, self.weight, self.bias):
+            width = traced_width(self, input, self.weight, self.bias)
+            if width is None:
+                return super().forward(input, output_size)
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for "
                              f"{self._FLOAT_MODULE.__name__}")

@@ -23,12 +23,12 @@ class _QDropoutNd(QModule):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        if self._ELEMENTWISE and input.requires_grad and 0 < self.p < 1 \
-                and self.graph_saves() is not None:
-            out = D.PackedMaskDropout.apply(input, self.p)
-            return input.copy_(out) if self.inplace else out
         if self.quantizing() and input.requires_grad:
             return self._FN(input, self.p, self.inplace)
+        if self._ELEMENTWISE and input.requires_grad and 0 < self.p < 1 \
+                and self.graph_saves() is not None:  # traced by torch.compile
+            out = D.PackedMaskDropout.apply(input, self.p)
+            return input.copy_(out) if self.inplace else out
         return self._FLOAT_MODULE.forward(self, input)
 
 

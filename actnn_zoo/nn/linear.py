@@ -58,10 +58,10 @@ class QLinear(QModule, nn.Linear):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        width = traced_width(self, input, self.weight, self.bias)
-        if width is not None:
-            return traced_linear(input, self.weight, self.bias, *width)
         if not use_function(self, input, self.weight, self.bias):
-            return super().forward(input)
+            width = traced_width(self, input, self.weight, self.bias)
+            if width is None:
+                return super().forward(input)
+            return traced_linear(input, self.weight, self.bias, *width)
         return LinearFunction.apply(input, self.weight, self.bias, self.qconfig,
                                     self.bits_for(input))

@@ -85,10 +85,10 @@ class _QBatchNorm(QModule):
         return out
 
     def forward(self, input: Tensor) -> Tensor:
-        width = self.graph_saves()
-        if width is not None and not isinstance(self, nn.SyncBatchNorm):
-            return self._compiled_forward(input, width)
         if not use_function(self, input, self.weight, self.bias):
+            width = self.graph_saves()
+            if width is not None and not isinstance(self, nn.SyncBatchNorm):
+                return self._compiled_forward(input, width)  # traced by torch.compile
             return super().forward(input)
         _check_input_rank(self, input)
         factor = self._momentum_factor()
@@ -194,12 +194,12 @@ class QLayerNorm(QModule, nn.LayerNorm):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        width = self.graph_saves()
-        if width is not None:  # traced by torch.compile
-            return NormalizedLayerNorm.apply(input, tuple(self.normalized_shape), self.weight,
-                                             self.bias, self.eps, *width)
         if not use_function(self, input, self.weight, self.bias):
-            return super().forward(input)
+            width = self.graph_saves()
+            if width is None:
+                return super().forward(input)
+            return NormalizedLayerNorm.apply(input, tuple(self.normalized_shape), self.weight,
+                                             self.bias, self.eps, *width)  # torch.compile's
         return LayerNormFunction.apply(input, tuple(self.normalized_shape), self.weight,
                                        self.bias, self.eps, self.qconfig, self.bits_for(input))
 

@@ -36,16 +36,16 @@ class _QMaxPoolNd(_QPool):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor):
+        if self._active(input):
+            return P._max_pool(self._ND, input, self.kernel_size, self.stride, self.padding,
+                               self.dilation, self.ceil_mode, self.return_indices)
         if self._ND == 2 and not self.return_indices and input.requires_grad \
-                and self.graph_saves() is not None:
+                and self.graph_saves() is not None:  # traced by torch.compile
             kernel, stride, padding, dilation = (_pair(v) for v in (
                 self.kernel_size, self.stride or self.kernel_size, self.padding, self.dilation))
             if kernel[0] * kernel[1] <= 256:  # a position fits a byte
                 return P.WindowCodeMaxPool2d.apply(input, kernel, stride, padding, dilation,
                                                    self.ceil_mode)
-        if self._active(input):
-            return P._max_pool(self._ND, input, self.kernel_size, self.stride, self.padding,
-                               self.dilation, self.ceil_mode, self.return_indices)
         return self._FLOAT_MODULE.forward(self, input)
 
 

@@ -85,11 +85,11 @@ class QHFConv1D(_ForeignOnly, nn.Module):
     nx: int
 
     def forward(self, x: Tensor) -> Tensor:
-        width = traced_width(self, x, self.weight, self.bias)
-        if width is not None:
-            return traced_linear(x, self.weight.t(), self.bias, *width)
         if not use_function(self, x, self.weight, self.bias):
-            return self.plain_forward(None, x)
+            width = traced_width(self, x, self.weight, self.bias)
+            if width is None:
+                return self.plain_forward(None, x)
+            return traced_linear(x, self.weight.t(), self.bias, *width)
         return LinearFunction.apply(x, self.weight.t(), self.bias, self.qconfig,
                                     self.bits_for(x))
 
@@ -119,7 +119,7 @@ class QBatchNormAct2d(_ForeignOnly, _QBatchNorm, nn.BatchNorm2d):
     _INPUT_RANKS = (4,)
 
     def forward(self, input: Tensor) -> Tensor:
-        if self.graph_saves() is None and not use_function(self, input, self.weight, self.bias):
+        if not use_function(self, input, self.weight, self.bias) and self.graph_saves() is None:
             return self.plain_forward(None, input)
         x = _QBatchNorm.forward(self, input)  # its traced form under torch.compile
         return self.act(self.drop(x))
