@@ -116,7 +116,9 @@ def test_restore_model_after_training_is_plain_torch_with_the_trained_weights():
 def test_torch_compile_trains_with_correct_gradients():
     """The Q-layers' traced forms (custom operators, no host work) in one graph, as the plain
     model's (aot_eager backend: no C++ code generation in the test); tests/test_compile.py
-    checks the graphs and the saved codes."""
+    checks the graphs and the saved codes. Dynamo starts afresh: earlier tests' compiles of
+    the same frames would count against its recompile limit."""
+    torch.compiler.reset()
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64), nn.Linear(64, 10))
     q = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
