@@ -7,7 +7,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._session import active_session, inverse_order
+from .._session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, quantize, quantize_normalized
 from ..quant import dequantize_rows as _dequantize_rows
@@ -131,6 +131,31 @@ def load(ctx) -> List[Saved]:
     return out
 
 
+def memory_perm(t: Tensor) -> Optional[Tuple[int, ...]]:
+    """A permutation ``p`` with ``t.permute(p)`` contiguous and ``p[0] == 0`` (so rows are still
+    samples), for channels_last(_3d) tensors; None when logical order is already right."""
+    if t.is_contiguous():
+        return None
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return (0, 2, 3, 1)
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return (0, 2, 3, 4, 1)
+    return None
+
+
+def to_memory_order(t: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
+    return t if perm is None else t.permute(perm)
+
+
+def from_memory_order(t: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
+    if perm is None:
+        return t
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return t.permute(inverse)
+
+
 def save_codes(ctx, x: Optional[Tensor], bits: int, group_size: int, *tensors: Tensor) -> None:
     """For a traced Function (the form ``torch.compile`` traces): ``x`` as
     ``actnn_zoo::quantize_uniform`` codes at one width, in its memory order, then ``tensors``
@@ -142,14 +167,10 @@ def save_codes(ctx, x: Optional[Tensor], bits: int, group_size: int, *tensors: T
         ctx.codes = None
         ctx.save_for_backward(*tensors)
         return
-    # the memory order of the layouts layers meet (no sort over strides: under dynamic shapes
+    # the memory order of channels-last maps (no sort over strides: under dynamic shapes
     # they are symbolic); any other layout is copied
-    if x.dim() in (4, 5) and not x.is_contiguous() and x.is_contiguous(
-            memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d):
-        perm = (0,) + tuple(range(2, x.dim())) + (1,)
-    else:
-        x, perm = x.contiguous(), tuple(range(x.dim()))
-    xp = x.permute(perm)
+    perm = memory_perm(x)
+    xp = x.contiguous() if perm is None else to_memory_order(x, perm)
     q = xp.float() if xp.dtype == torch.float64 else xp
     data, lo, step = ops.quantize_uniform(q, None, bits, group_size, True)
     ctx.codes = ([int(s) for s in xp.shape], q.dtype, bits, group_size, perm)
@@ -164,7 +185,7 @@ def load_codes(ctx) -> Tuple[Optional[Tensor], Tuple[Tensor, ...]]:
         return None, tuple(saved)
     shape, dtype, bits, group_size, perm = ctx.codes
     x = ops.dequantize_uniform(saved[0], saved[1], saved[2], shape, bits, group_size, dtype)
-    return x.permute(inverse_order(perm)), tuple(saved[3:])
+    return from_memory_order(x, perm), tuple(saved[3:])
 
 
 def restore(item: Saved) -> Optional[Tensor]:

@@ -25,8 +25,9 @@ from ..config import LayerQConfig
 from ..quant import Bits, ops, pack_compare, unpack_mask
 from ..quant.api import masked_grad
 from ..quant.tensor import CompressedPayload
-from ._saving import (compress, compress_produced, dequantize_rows, load, load_codes, restore,
-                      sample_chunks, save, save_codes)
+from ._saving import (compress, compress_produced, dequantize_rows, from_memory_order, load,
+                      load_codes, memory_perm, restore, sample_chunks, save, save_codes,
+                      to_memory_order)
 
 OptBits = Optional[Bits]
 
@@ -41,31 +42,6 @@ __all__ = ["relu", "leaky_relu", "hardtanh", "relu6", "gelu", "silu", "sigmoid",
 # Layout helpers (shared with dropout): pack masks / compress in memory order, so a
 # channels_last tensor is neither copied nor permuted before packing.
 # ----------------------------------------------------------------------------------------------
-def memory_perm(t: Tensor) -> Optional[Tuple[int, ...]]:
-    """A permutation ``p`` with ``t.permute(p)`` contiguous and ``p[0] == 0`` (so rows are still
-    samples), for channels_last(_3d) tensors; None when logical order is already right."""
-    if t.is_contiguous():
-        return None
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return (0, 2, 3, 1)
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return (0, 2, 3, 4, 1)
-    return None
-
-
-def to_memory_order(t: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
-    return t if perm is None else t.permute(perm)
-
-
-def from_memory_order(t: Tensor, perm: Optional[Tuple[int, ...]]) -> Tensor:
-    if perm is None:
-        return t
-    inverse = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inverse[p] = i
-    return t.permute(inverse)
-
-
 def load_mask(packed: Tensor, shape: torch.Size, perm: Optional[Tuple[int, ...]]) -> Tensor:
     return from_memory_order(unpack_mask(packed, shape), perm)
 
