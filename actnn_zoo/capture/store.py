@@ -425,10 +425,9 @@ class CompressedStore:
         kept, small = self._kept, self.min_numel
         counts = [0, 0, 0, 0]  # small: tensors, bytes; the others: tensors, bytes
         for t in tensors:
-            n = t.numel()
-            i = 0 if n < small else 2
+            i = 0 if t.numel() < small else 2
             counts[i] += 1
-            counts[i + 1] += n * t.element_size()
+            counts[i + 1] += t.nbytes
             # only what tier 3 would otherwise compress needs marking: small and integer
             # tensors (the codes) pass through there anyway
             if i and t.layout == torch.strided and (t.is_floating_point()

@@ -58,10 +58,10 @@ class QLinear(QModule, nn.Linear):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        if not use_function(self, input, self.weight, self.bias):
-            width = traced_width(self, input, self.weight, self.bias)
+        weight, bias = self.weight, self.bias  # (each read is an nn.Module.__getattr__ call)
+        if not use_function(self, input, weight, bias):
+            width = traced_width(self, input, weight, bias)
             if width is None:
                 return super().forward(input)
-            return traced_linear(input, self.weight, self.bias, *width)
-        return LinearFunction.apply(input, self.weight, self.bias, self.qconfig,
-                                    self.bits_for(input))
+            return traced_linear(input, weight, bias, *width)
+        return LinearFunction.apply(input, weight, bias, self.qconfig, self.bits_for(input))

@@ -194,14 +194,15 @@ class QLayerNorm(QModule, nn.LayerNorm):
         self._init_q(qconfig)
 
     def forward(self, input: Tensor) -> Tensor:
-        if not use_function(self, input, self.weight, self.bias):
+        weight, bias = self.weight, self.bias  # (each read is an nn.Module.__getattr__ call)
+        if not use_function(self, input, weight, bias):
             width = self.graph_saves()
             if width is None:
                 return super().forward(input)
-            return NormalizedLayerNorm.apply(input, tuple(self.normalized_shape), self.weight,
-                                             self.bias, self.eps, *width)  # torch.compile's
-        return LayerNormFunction.apply(input, tuple(self.normalized_shape), self.weight,
-                                       self.bias, self.eps, self.qconfig, self.bits_for(input))
+            return NormalizedLayerNorm.apply(input, tuple(self.normalized_shape), weight,
+                                             bias, self.eps, *width)  # torch.compile's
+        return LayerNormFunction.apply(input, tuple(self.normalized_shape), weight, bias,
+                                       self.eps, self.qconfig, self.bits_for(input))
 
 
 class QGroupNorm(QModule, nn.GroupNorm):

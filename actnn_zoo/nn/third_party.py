@@ -85,13 +85,13 @@ class QHFConv1D(_ForeignOnly, nn.Module):
     nx: int
 
     def forward(self, x: Tensor) -> Tensor:
-        if not use_function(self, x, self.weight, self.bias):
-            width = traced_width(self, x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias  # (each read is an nn.Module.__getattr__ call)
+        if not use_function(self, x, weight, bias):
+            width = traced_width(self, x, weight, bias)
             if width is None:
                 return self.plain_forward(None, x)
-            return traced_linear(x, self.weight.t(), self.bias, *width)
-        return LinearFunction.apply(x, self.weight.t(), self.bias, self.qconfig,
-                                    self.bits_for(x))
+            return traced_linear(x, weight.t(), bias, *width)
+        return LinearFunction.apply(x, weight.t(), bias, self.qconfig, self.bits_for(x))
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, " + QModule.extra_repr(self)

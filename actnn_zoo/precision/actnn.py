@@ -84,7 +84,8 @@ from ..quant import SampleBits
 from .base import PrecisionStrategy, TrackedLayer, set_sample_bits
 from .readback import DeferredRead
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
-from .stats import LayerKind, LayerStats, layer_kind, range_statistic, sample_grad_sq
+from .stats import (LayerKind, LayerStats, layer_kind, range_statistic, sample_grad_sq,
+                    same_tensor)
 
 __all__ = ["ActNNStrategy"]
 
@@ -154,8 +155,13 @@ class _Watched:
         # this thread's root training forward; None outside it (a checkpoint's recomputation
         # in backward is not counted again)
         fw: Optional[_Forward] = self.strategy.local.forward
-        with torch.no_grad():  # statistics are not part of the model's graph
+        if self.kind.saved is same_tensor:
+            # conv, linear, norms: the statistics read the input through the kernels, which
+            # take it detached (no graph, so no no_grad context: ~10 Python calls per layer)
             call = self._choose(module, x, fw)
+        else:
+            with torch.no_grad():  # f'(x), softmax(x): not part of the model's graph
+                call = self._choose(module, x, fw)
         if call is not None and fw is not None and fw.record_grads:
             # post_hook has its output gradient measured (an entry a forward that raised
             # left behind is of an older step: grad_hook ignores it)

@@ -230,7 +230,9 @@ def _softmax_out(mod: nn.Module, x: Tensor) -> Tensor:
     return F.softmax(x, softmax_dim(x.dim(), mod.dim))  # type: ignore[attr-defined]
 
 
-def _identity(mod: nn.Module, x: Tensor) -> Tensor:
+def same_tensor(mod: nn.Module, x: Tensor) -> Tensor:
+    """The input itself: what conv, linear and norm layers compress (a strategy reads it
+    through kernels that take it detached, so it needs no ``no_grad`` context)."""
     return x
 
 
@@ -261,11 +263,11 @@ def _norm_fn(m: nn.Module, x: Tensor) -> bool:
     return _uses_function(m, x) and _input_or_affine_trains(m, x)
 
 
-_CONV = LayerKind("conv", _conv_batched, _identity, _weight_fn, _conv_fan, modelled=True)
-_LINEAR = LayerKind("linear", _identity, _identity, _weight_fn, _linear_fan, modelled=True)
-_NORM = LayerKind("norm", _identity, _identity, _norm_fn, _norm_fan)
-_ACT = LayerKind("derivative", _identity, _derivative, _input_trains, _feature_fan)
-_SOFTMAX = LayerKind("softmax", _identity, _softmax_out, _input_trains, _softmax_fan)
+_CONV = LayerKind("conv", _conv_batched, same_tensor, _weight_fn, _conv_fan, modelled=True)
+_LINEAR = LayerKind("linear", same_tensor, same_tensor, _weight_fn, _linear_fan, modelled=True)
+_NORM = LayerKind("norm", same_tensor, same_tensor, _norm_fn, _norm_fan)
+_ACT = LayerKind("derivative", same_tensor, _derivative, _input_trains, _feature_fan)
+_SOFTMAX = LayerKind("softmax", same_tensor, _softmax_out, _input_trains, _softmax_fan)
 
 _KINDS: Tuple[Tuple[type, LayerKind], ...] = (
     (qconv._QConvNd, _CONV), (qconv._QConvTransposeNd, _CONV), (QLinear, _LINEAR),
