@@ -9,10 +9,11 @@ from actnn_zoo.functional import _saving
 
 class CompressionSpy:
     """Records (values, bits the widths give them, payload) of every tensor compressed through
-    ``_saving.quantize``, ``_saving.quantize_normalized`` (batch norm's normalized input on the
-    CPU) and, with ``sparse=True``, the capture store's sparse codes (a ReLU output shared with
-    its consumer: codes for the nonzeros only, at the same row widths, so every value counts at
-    its row's width)."""
+    ``_saving.quantize`` and ``_saving.quantize_saved`` (the layers' own entry),
+    ``_saving.quantize_normalized`` (batch norm's normalized input on the CPU) and, with
+    ``sparse=True``, the capture store's sparse codes (a ReLU output shared with its consumer:
+    codes for the nonzeros only, at the same row widths, so every value counts at its row's
+    width)."""
 
     def __init__(self, monkeypatch, sparse: bool = False) -> None:
         self.calls: List[Tuple[int, float, object]] = []
@@ -29,6 +30,7 @@ class CompressionSpy:
             return spy
 
         monkeypatch.setattr(_saving, "quantize", spying(_saving.quantize))
+        monkeypatch.setattr(_saving, "quantize_saved", spying(_saving.quantize_saved))
         monkeypatch.setattr(_saving, "quantize_normalized", spying(_saving.quantize_normalized))
         if sparse:
             monkeypatch.setattr(store, "quantize_sparse", spying(store.quantize_sparse))

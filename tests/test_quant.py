@@ -335,3 +335,45 @@ def test_one_width_row_layout_matches_its_codes():
     assert int(offsets[-1]) == q.data.numel()  # the rows tile the codes exactly
     mixed = az.quantize(x, torch.tensor([4, 4, 4, 4, 4]), group_size=8, seed=1)
     assert torch.equal(mixed.offsets, offsets) and torch.equal(mixed.data, q.data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 9), min_size=0, max_size=4),
+       width=st.sampled_from(BITS + ("samples",)), group=st.sampled_from((8, 32, 256)),
+       dtype=st.sampled_from(DTYPES), stochastic=st.booleans(), seed=st.integers(0, 2 ** 20))
+def test_layers_entry_matches_the_public_quantize(shape, width, group, dtype, stochastic, seed):
+    """quantize_saved / dequantize_saved (what the Q-layers call, skipping the checks their
+    qconfig made) give the public functions' payload and values: same seed drawn, same
+    codes, ranges, widths and offsets, same decoded tensor."""
+    from actnn_zoo.quant.api import dequantize_saved, quantize_saved
+    quantize, dequantize = az.quant.quantize, az.quant.dequantize
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    n = x.shape[0] if x.dim() >= 2 else 1
+    if width == "samples":
+        w = torch.tensor([(1, 2, 4, 8)[i % 4] for i in range(n)], dtype=torch.uint8)
+        bits = SampleBits(w, int(w.sum()))
+    else:
+        bits = width
+    torch.manual_seed(seed)
+    got = quantize_saved(x, bits, group, stochastic)
+    torch.manual_seed(seed)
+    want = quantize(x, bits, group, rounding="stochastic" if stochastic else "nearest")
+    assert got.spec() == want.spec()
+    for a, b in zip(got.tensors(), want.tensors(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(dequantize_saved(got), dequantize(want))
+
+
+def test_layers_entry_checks_what_the_qconfig_does_not():
+    """The Q-layers' entry still refuses what no qconfig vouches for: an unsupported dtype,
+    an invalid int width, per-sample widths of the wrong length."""
+    from actnn_zoo.quant.api import quantize_saved
+
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        quantize_saved(torch.zeros(2, 4, dtype=torch.float64), 2, 256, True)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize_saved(torch.zeros(2, 4), 3, 256, True)
+    with pytest.raises(ValueError, match="entries"):
+        quantize_saved(torch.zeros(2, 4), SampleBits(torch.full((3,), 2, dtype=torch.uint8),
+                                                     6), 256, True)

@@ -340,6 +340,13 @@ def test_float64_model_trains_like_torch(cls, monkeypatch):
         return real(t, *args, **kwargs)
 
     monkeypatch.setattr(_saving, "quantize", spy)
+    real_saved = _saving.quantize_saved
+
+    def spy_saved(t, *args, **kwargs):  # the layers' own entry (no rotation)
+        compressed.append(t.dtype)
+        return real_saved(t, *args, **kwargs)
+
+    monkeypatch.setattr(_saving, "quantize_saved", spy_saved)
     ref, qm, x = pair(cls, torch.float64)
     torch.manual_seed(1)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, quantize, quantize_normalized
 from ..quant import dequantize_rows as _dequantize_rows
 from ..quant import ops
-from ..quant.api import normalizes_in_kernel
+from ..quant.api import normalizes_in_kernel, quantize_saved
 from ..quant.sparse import dequantize_sparse_rows, rows_decodable
 from ..quant.tensor import CompressedPayload, SparseQuantizedTensor
 from ..quant.division import (DivisionTensor, Payload, decompress, division_quantize,
@@ -78,9 +78,12 @@ def quantizer_for(x: Tensor, qconfig: LayerQConfig, maps: Optional[bool] = None)
 
 def _quantize_any_float(x: Tensor, bits: Bits, group_size: int, rounding: str,
                         transform: str = "none") -> QuantizedTensor:
-    """``quantize`` (looked up at call time), with float64 cast to float32 first."""
+    """``quantize``, with float64 cast to float32 first; without a rotation the layers' own
+    entry (``quant.api.quantize_saved``: the settings were checked with the qconfig)."""
     if x.dtype == torch.float64:
         x = x.float()
+    if transform == "none":
+        return quantize_saved(x, bits, group_size, rounding == "stochastic")
     return quantize(x, bits, group_size, rounding=rounding, transform=transform)
 
 

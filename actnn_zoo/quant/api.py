@@ -223,6 +223,44 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
                            row_bits, offsets, transform, tseed)
 
 
+def quantize_saved(x: Tensor, bits: Bits, group_size: int, stochastic: bool) -> QuantizedTensor:
+    """:func:`quantize` of a tensor a Q-layer saves, without a rotation: equal to
+    ``quantize(x, bits, group_size, rounding=...)`` with the seed it would draw, code for code.
+
+    Why a second entry: every compressed save of a training step runs through here, and the
+    public function's checks of its settings (group size, rounding, transform, seed type: a
+    dozen Python calls) were made once, when the ``LayerQConfig`` they come from was built.
+    What the settings do not cover is still checked: ``x``'s dtype, a width given as an int,
+    per-sample widths (:func:`_rows_layout`). Empty tensors take the public path."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    seed = draw_seed() if stochastic else 0
+    rows = as_rows(no_graph(x))
+    n, d = rows.shape
+    if n * d == 0:
+        return quantize(x, bits, group_size, seed=seed,
+                        rounding="stochastic" if stochastic else "nearest")
+    if isinstance(bits, int):
+        data, lo, step = kernels(x.device).quantize_uniform(rows.contiguous(), check_bits(bits),
+                                                             group_size, seed, stochastic)
+        return QuantizedTensor(data, lo, step, x.shape, x.dtype, bits, group_size)
+    row_bits, offsets, total, _ = _rows_layout(bits, n, d, x.device, None)
+    data, lo, step = kernels(x.device).quantize(rows.contiguous(), row_bits, offsets, total,
+                                                group_size, seed, stochastic)
+    return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size, row_bits,
+                           offsets)
+
+
+def dequantize_saved(q: QuantizedTensor) -> Tensor:
+    """:func:`dequantize` of a payload :func:`quantize_saved` made (no rotation): the same
+    values, without the public function's checks (the payload is the library's own)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel():
+        rows = as_rows(out)
+        _dequantize_rows_into(q, 0, rows.shape[0], rows, None)
+    return out
+
+
 def _rows_layout(bits: Bits, n: int, d: int, device: torch.device, validate: Optional[bool]
                  ) -> Tuple[Tensor, Tensor, int, Optional[int]]:
     """(row widths, row byte offsets, bytes to allocate, the one width or None) of ``n`` rows of

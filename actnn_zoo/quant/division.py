@@ -42,7 +42,7 @@ from torch import Tensor
 
 from . import division_reference
 from .api import (SUPPORTED_DTYPES, Bits, _capacity, _row_bits, check_sample_bits, dequantize,
-                  draw_seed, masked_grad)
+                  dequantize_saved, draw_seed, masked_grad)
 from .backend import kernels
 from .reference import row_offsets, uniform_offsets
 from .sparse import dequantize_sparse
@@ -238,6 +238,8 @@ def uses_division(x: Tensor, compressor: str, maps: Optional[bool] = None) -> bo
 def decompress(payload: Payload) -> Tensor:
     """Dequantize any payload kind."""
     if type(payload) is QuantizedTensor:  # the common case first: one check per saved input
+        if payload.transform == "none":
+            return dequantize_saved(payload)
         return dequantize(payload)
     if isinstance(payload, DivisionTensor):
         return division_dequantize(payload)
