@@ -183,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize_cud
   const Geo g = geometry(x5.sizes(), block);
   const int64_t n = x5.size(0);
   division_checks::check_row_layout(bits, offsets, n);
+  if (stochastic) check_not_capturing("division_quantize_cuda");
   auto opts = x5.options();
   at::Tensor words = at::zeros({(total + 3) / 4}, opts.dtype(at::kInt));
   at::Tensor data = words.view(at::kByte).narrow(0, 0, total);

@@ -80,6 +80,11 @@ at::Tensor rounding_variance_correct_cpu(
     int64_t weight_block, int64_t weight_period, double divisor);
 
 #ifdef ACTNN_ZOO_CUDA
+// Raise when the current CUDA stream is being captured into a CUDA graph (torch.cuda.graph,
+// torch.compile's mode="reduce-overhead"): a replay launches the kernel with the seed it was
+// captured with, so every replay would round alike and the codes stop being unbiased across
+// steps. Stochastic rounding only; ``fn`` names the caller in the message.
+void check_not_capturing(const char* fn);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t group_size, int64_t seed, bool stochastic);

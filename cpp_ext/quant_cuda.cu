@@ -36,6 +36,7 @@
 // at::cuda::getCurrentCUDAStream names (at::cuda does `using namespace c10::cuda`).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_fp16.h>
@@ -629,6 +630,15 @@ void launch_quantize(const T* x, const QuantArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
+void check_not_capturing(const char* fn) {
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() ==
+                  c10::cuda::CaptureStatus::None,
+              fn, ": stochastic rounding cannot be captured into a CUDA graph: its seed is "
+              "drawn on the host, so every replay would round alike and the compressed "
+              "activations would no longer be unbiased. Use torch.compile without CUDA graphs "
+              "(mode=\"default\" or \"max-autotune-no-cudagraphs\") or rounding=\"nearest\".");
+}
+
 // Arguments are checked on the host as far as that needs no device synchronisation: the values
 // of bits and offsets live on the GPU and are not read back. The kernels never access memory
 // outside data[0, total) (or data's length) whatever they hold; a width outside {1, 2, 4, 8}
@@ -645,6 +655,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
   check_group_size(fn, group_size);
   TORCH_CHECK(total >= 0, fn, ": total must be >= 0, got ", total);
   dispatch_float(x2d.scalar_type(), fn, "x2d", [](auto) {});
+  if (stochastic) check_not_capturing(fn);
 
   const c10::cuda::CUDAGuard guard(x2d.device());
   const int64_t G = groups_per_row(D, group_size);

@@ -722,3 +722,39 @@ def test_training_step_with_many_layer_types_does_not_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+def _capture(fn):
+    """Run ``fn`` while a CUDA graph captures the current stream (torch.cuda.graph)."""
+    static = torch.randn(64, 512, device=DEV)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn(static)  # warm-up outside the capture, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static)
+    return graph, static, out
+
+
+def test_stochastic_rounding_refuses_cuda_graph_capture():
+    """A CUDA graph replays a launch with the seed drawn when it was captured: every replay
+    would round alike (biased across steps). Capturing stochastic quantize raises, naming the
+    way out; DIVISION's quantizer too."""
+    with pytest.raises(RuntimeError, match="cannot be captured into a CUDA graph"):
+        _capture(lambda x: az.quant.quantize(x, 2))
+    from actnn_zoo.quant.division import division_quantize
+    with pytest.raises(RuntimeError, match="cannot be captured into a CUDA graph"):
+        _capture(lambda x: division_quantize(x.view(2, 32, 16, 32), 2, 8))
+
+
+def test_nearest_rounding_captures_and_replays_exactly():
+    """Round-to-nearest draws nothing: it captures, and a replay equals an eager call."""
+    graph, static, out = _capture(lambda x: az.quant.quantize(x, 4, rounding="nearest").data)
+    static.copy_(torch.randn_like(static))
+    graph.replay()
+    want = az.quant.quantize(static, 4, rounding="nearest").data
+    assert torch.equal(out, want)
+
