@@ -375,3 +375,28 @@ def test_pad_widths_match_torchs_for_non_zero_padding_modes(dims, padding):
                padding_mode="reflect")
     assert pad_widths(conv.padding, conv.kernel_size, conv.dilation) == tuple(
         conv._reversed_padding_repeated_twice)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_weight_stored_in_out_gets_its_gradient_in_that_layout(monkeypatch, chunks):
+    """GPT-2's Conv1D stores its weight (in, out) and the Q-layer hands the Function its
+    transpose. The weight gradient comes back laid out as the Parameter is (contiguous at the
+    Parameter's hook), so AccumulateGrad keeps it without a weight-sized copy per step; its
+    value is torch's at 8 bits, also decoded in chunks of samples."""
+    from actnn_zoo.functional import _saving
+
+    monkeypatch.setattr(_saving, "CHUNK_MIN_BYTES", 0)  # chunk even this small input
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(16, 24))  # (in, out)
+    b = nn.Parameter(torch.randn(24))
+    x = torch.randn(6, 5, 16)
+    seen = []
+    w.register_hook(lambda g: seen.append(g))
+    out = flinear.LinearFunction.apply(x, w.t(), b, LayerQConfig(bits=8, backward_chunks=chunks),
+                                       8)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want = x.reshape(-1, 16).t() @ grad.reshape(-1, 24)
+    assert seen[0].is_contiguous() and seen[0].shape == (16, 24)
+    assert cos(w.grad, want) >= 0.9999
+    assert torch.allclose(b.grad, grad.reshape(-1, 24).sum(0))

@@ -182,6 +182,12 @@ def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], bits: int,
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _weight_grad(g: Tensor, x: Tensor, by_rows: bool) -> Tensor:
+    """``g^T x`` (out, in) for (rows, out) ``g`` and (rows, in) ``x``; ``by_rows``: as the
+    transpose of a contiguous (in, out) ``x^T g``, the layout of a weight stored (in, out)."""
+    return x.t().matmul(g).t() if by_rows else g.t().matmul(x)
+
+
 def linear_backward(ctx, grad_out: Tensor, weight: Tensor,
                     decode: Callable[[Optional[Tuple[int, int]]], Tensor],
                     chunks: List[Tuple[int, int]]
@@ -202,16 +208,20 @@ def linear_backward(ctx, grad_out: Tensor, weight: Tensor,
         # The weight gradient first: the decoded input is freed before the input gradient
         # exists, so the backward holds one map less (docs/design.md, "The step's peak").
         if need_w:
+            # A weight given as the transpose of a contiguous (in, out) Parameter (GPT-2's
+            # Conv1D) gets its gradient made in that layout, (x^T g)^T: made as g^T x, the
+            # Parameter's .grad would be a transposed copy, one weight-sized copy per step.
+            by_rows = not weight.is_contiguous() and weight.t().is_contiguous()
             if chunks:  # sum over samples, one decoded chunk at a time (_saving)
                 for start, stop in chunks:
                     x2 = cast(decode((start, stop)), dt)
-                    gw_c = go[start:stop].reshape(-1, go.shape[-1]).t().matmul(
-                        x2.reshape(-1, x2.shape[-1]))
+                    gw_c = _weight_grad(go[start:stop].reshape(-1, go.shape[-1]),
+                                        x2.reshape(-1, x2.shape[-1]), by_rows)
                     gw = gw_c if gw is None else gw.add_(gw_c)
                     del x2
             else:
                 x2 = cast(decode(None), dt)
-                gw = go2.t().matmul(x2.reshape(-1, x2.shape[-1]))
+                gw = _weight_grad(go2, x2.reshape(-1, x2.shape[-1]), by_rows)
             gw = guard_second_order(gw, weight, "QLinear weight gradient", need_x)
         if need_x:
             gi = go.matmul(cast(weight, dt))
