@@ -80,17 +80,20 @@ class DropoutFunction(torch.autograd.Function):
 
 
 class PackedMaskDropout(torch.autograd.Function):
-    """The form ``torch.compile`` traces for elementwise dropout with ``0 < p < 1``: the noise
-    drawn as torch draws it, the keep-mask packed to 1 bit by the ``actnn_zoo::pack_mask``
-    operator (a graph keeps an operator's output as it is; a bool mask would cost a byte per
-    value), the gradient rebuilt as :class:`DropoutFunction`'s. Out of place, as
-    :class:`~actnn_zoo.functional.activation.TracedDerivativeActivation`."""
+    """The form ``torch.compile`` traces for elementwise dropout with ``0 < p < 1``: values
+    kept where a float32 uniform draw is below ``1 - p`` (inductor fuses the draw with the
+    compare and the scaling, as it does torch's own dropout; an explicit ``bernoulli_`` ran as
+    a separate call per layer), the keep-mask packed to 1 bit by the
+    ``actnn_zoo::pack_mask`` operator (a graph keeps an operator's output as it is; a bool
+    mask would cost a byte per value), the gradient rebuilt as :class:`DropoutFunction`'s.
+    Out of place, as :class:`~actnn_zoo.functional.activation.TracedDerivativeActivation`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, p: float) -> Tensor:  # type: ignore[override]
-        noise = torch.empty_like(x).bernoulli_(1 - p)
-        packed = ops.pack_mask(noise != 0)
-        out = x * noise.div_(1 - p)
+        keep = torch.rand_like(x, dtype=torch.float32) < 1 - p
+        packed = ops.pack_mask(keep)
+        noise = keep.to(x.dtype).div_(1 - p)  # 1 / (1 - p) rounded to x's dtype, as torch's
+        out = x * noise
         ctx.p, ctx.shape, ctx.noise_dtype = p, list(x.shape), noise.dtype
         ctx.save_for_backward(packed)
         return out
