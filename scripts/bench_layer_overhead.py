@@ -28,6 +28,7 @@ from torch import nn  # noqa: E402
 
 from actnn_zoo import convert_model  # noqa: E402
 from actnn_zoo.bench import interleaved_step_times  # noqa: E402
+from actnn_zoo.quant.backend import kernels  # noqa: E402
 
 # name -> (layer factory, input shape); inputs require grad so every layer's backward runs
 LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
@@ -50,14 +51,49 @@ VARIANTS = {  # name -> convert_model overrides (None: the torch layer)
 }
 
 
+class _FloorLinearFunction(torch.autograd.Function):
+    """The least a compressing linear layer can do in Python (``--floor``): ``F.linear``, one
+    quantize call; in backward one dequantize call and the matmuls. No checks, no capture
+    store, no strategy, a fixed seed: a floor to compare the library's glue with, not a
+    layer to train with."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        out = torch.nn.functional.linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.codes = kernels(x.device).quantize_uniform(rows.contiguous(), 2, 256, 12345, True)
+        ctx.rows_shape = rows.shape
+        ctx.save_for_backward(weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        data, lo, step = ctx.codes
+        x = torch.empty(ctx.rows_shape, device=grad.device)
+        kernels(grad.device).dequantize_uniform(data, lo, step, 2, 256, 0, x)
+        g = grad.reshape(-1, grad.shape[-1])
+        return grad @ weight, g.t() @ x, g.sum(0)
+
+
+class _FloorLinear(nn.Linear):
+    def forward(self, x):
+        return _FloorLinearFunction.apply(x, self.weight, self.bias)
+
+
 def step_fn(layer: str, overrides, batch: int = 0) -> Callable[[], None]:
-    """``batch`` > 0 replaces the input's batch size (0: the fixed-cost shape above)."""
+    """``batch`` > 0 replaces the input's batch size (0: the fixed-cost shape above);
+    ``overrides`` "floor": the linear layer as :class:`_FloorLinear`."""
     make, shape = LAYERS[layer]
     if batch > 0:
         shape = (batch,) + tuple(shape[1:])
     torch.manual_seed(0)
     model = nn.Sequential(make()).train()
-    if overrides is not None:
+    if overrides == "floor":
+        floor = _FloorLinear(model[0].in_features, model[0].out_features)
+        floor.load_state_dict(model[0].state_dict())
+        model = nn.Sequential(floor).train()
+    elif overrides is not None:
         model = convert_model(model, **overrides)
     x = torch.randn(shape, requires_grad=True)
 
@@ -75,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=0,
                    help="input batch size (default: 1, 2 for batch norm): a larger one times "
                         "the layer's arithmetic too, e.g. --layers bn --batch 512")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the least a compressing linear layer can do in Python (one "
+                        "quantize, one dequantize, no checks, store or strategy); linear only")
     args = p.parse_args(argv)
     if args.batch < 0:
         p.error(f"--batch must be >= 0, got {args.batch}")
@@ -83,21 +122,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in LAYERS]
     if unknown:
         p.error(f"unknown layer(s) {unknown}; known: {', '.join(LAYERS)}")
+    variants = dict(VARIANTS)
+    if args.floor:
+        if names != ["linear"]:
+            p.error("--floor needs --layers linear (the floor is a linear layer)")
+        variants["python floor"] = "floor"
     stat = min if args.stat == "min" else statistics.median
     print(f"torch {torch.__version__}, 1 thread, thread CPU time, {args.stat} microseconds per "
           f"forward + backward call ({args.calls} calls per variant, {args.rounds} rounds"
           f"{f', batch {args.batch}' if args.batch else ''})")
-    head = f"{'layer':10s}" + "".join(f" | {v:>21s}" for v in VARIANTS)
+    head = f"{'layer':10s}" + "".join(f" | {v:>21s}" for v in variants)
     print(head)
     print("-" * len(head))
     for name in names:
-        steps = {v: step_fn(name, o, args.batch) for v, o in VARIANTS.items()}
+        steps = {v: step_fn(name, o, args.batch) for v, o in variants.items()}
         times = interleaved_step_times(steps, n=args.calls, warmup=20, rounds=args.rounds,
                                        clock=time.thread_time)
         med = {v: stat(t) * 1e6 for v, t in times.items()}
         base = med["torch"]
         cells = [f"{med['torch']:9.0f}" + " " * 12]
-        cells += [f"{med[v]:9.0f} (+{med[v] - base:6.0f})" for v in list(VARIANTS)[1:]]
+        cells += [f"{med[v]:9.0f} (+{med[v] - base:6.0f})" for v in list(variants)[1:]]
         print(f"{name:10s}" + "".join(f" | {c:>21s}" for c in cells))
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from _scripts import load_script
 
@@ -50,3 +51,36 @@ def test_batch_option_sets_the_input_batch(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         mod.main(["--batch", "-1"])
     assert "--batch" in capsys.readouterr().err
+
+
+def test_floor_column_for_the_linear_layer_only(capsys):
+    """``--floor`` adds the minimal Python layer's column (linear only; other layers are
+    refused by name)."""
+    mod = _script()
+    assert mod.main(["--layers", "linear", "--floor", "--calls", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "python floor" in out
+    row = next(line for line in out.splitlines() if line.startswith("linear "))
+    assert len(row.split("|")[1:]) == len(mod.VARIANTS) + 1
+    with pytest.raises(SystemExit):
+        mod.main(["--layers", "conv", "--floor"])
+    assert "--floor needs --layers linear" in capsys.readouterr().err
+
+
+def test_floor_layer_computes_the_linear_gradients():
+    """The floor is a lower bound on cost only if it does a linear layer's work: its input
+    and bias gradients are exact, its weight gradient torch's within 2-bit rounding."""
+    mod = _script()
+    torch.manual_seed(0)
+    floor = mod._FloorLinear(128, 64)
+    ref = torch.nn.Linear(128, 64)
+    ref.load_state_dict(floor.state_dict())
+    x = torch.randn(4, 128, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    floor(x).sum().backward()
+    ref(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(floor.bias.grad, ref.bias.grad)
+    cos = torch.nn.functional.cosine_similarity(floor.weight.grad.flatten(),
+                                                ref.weight.grad.flatten(), dim=0)
+    assert cos > 0.8  # 2-bit codes of 4 rows: noisy, but the same direction
