@@ -211,7 +211,8 @@ def linear_backward(ctx, grad_out: Tensor, weight: Tensor,
             # A weight given as the transpose of a contiguous (in, out) Parameter (GPT-2's
             # Conv1D) gets its gradient made in that layout, (x^T g)^T: made as g^T x, the
             # Parameter's .grad would be a transposed copy, one weight-sized copy per step.
-            by_rows = not weight.is_contiguous() and weight.t().is_contiguous()
+            by_rows = (weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[1] > 1
+                       and weight.stride(1) == weight.shape[0])  # (no view made to ask)
             if chunks:  # sum over samples, one decoded chunk at a time (_saving)
                 for start, stop in chunks:
                     x2 = cast(decode((start, stop)), dt)
