@@ -758,3 +758,16 @@ def test_nearest_rounding_captures_and_replays_exactly():
     want = az.quant.quantize(static, 4, rounding="nearest").data
     assert torch.equal(out, want)
 
+
+
+def test_attention_dropout_refuses_cuda_graph_capture():
+    """Attention's dropout mask is a hash of a host seed: captured, every replay would drop
+    the same entries; it raises instead, naming the way out."""
+    from actnn_zoo.functional.attention import scaled_dot_product_attention
+
+    def attend(x):
+        q = x.view(2, 4, 64, 64).detach().requires_grad_(True)
+        return scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+    with pytest.raises(RuntimeError, match="dropout cannot be captured into a CUDA graph"):
+        _capture(attend)

@@ -150,6 +150,13 @@ class _Dropout:
     structure between rows."""
 
     def __init__(self, seed: int, p: float, L: int, S: int, device: torch.device) -> None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # the seed is a host int: a CUDA graph would replay one mask on every step
+            raise RuntimeError(
+                "actnn_zoo scaled_dot_product_attention: dropout cannot be captured into a CUDA "
+                "graph: its seed is drawn on the host, so every replay would drop the same "
+                "entries. Use torch.compile without CUDA graphs (mode=\"default\") or "
+                "dropout_p=0.")
         self.L, self.S = L, S
         # kept when the unsigned hash < threshold; compared as signed after flipping the sign
         # bit (p > 0 here, so threshold <= 2^32 - 1 and threshold - 2^31 fits in int32)
