@@ -116,7 +116,9 @@ every row: the codes are ``N * ceil(D * bits / 8)`` bytes, ``lo``/``step`` bfloa
 ``(N, ceil(D / group))``. ``seed``: a one-element integer tensor (its low 32 bits seed the
 rounding), or None to draw one from torch's default CPU generator inside the call (what a
 compiled graph passes: no ``torch.randint`` node per saved tensor; the operator is tagged
-``nondeterministic_seeded`` so that compilers neither merge nor replay it)."""
+``nondeterministic_seeded`` so that compilers neither merge nor replay it). A CUDA graph
+would replay it with the seed drawn at capture, so on CUDA stochastic rounding raises while
+the stream is being captured (``mode="reduce-overhead"``)."""
 
 
 def _dequantize_uniform(data: Tensor, lo: Tensor, step: Tensor, shape: List[int], bits: int,
