@@ -759,7 +759,6 @@ def test_nearest_rounding_captures_and_replays_exactly():
     assert torch.equal(out, want)
 
 
-
 def test_attention_dropout_refuses_cuda_graph_capture():
     """Attention's dropout mask is a hash of a host seed: captured, every replay would drop
     the same entries; it raises instead, naming the way out."""

@@ -201,7 +201,16 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
         rows = hadamard_(rows.to(torch.float32, memory_format=torch.contiguous_format,
                                  copy=True), group_size, seed)
     tseed = seed & 0xFFFFFFFF if transform != "none" else 0
-    stochastic = rounding == "stochastic"
+    return _encode(x, rows, bits, group_size, seed, rounding == "stochastic", validate,
+                   transform, tseed)
+
+
+def _encode(x: Tensor, rows: Tensor, bits: Bits, group_size: int, seed: int, stochastic: bool,
+            validate: Optional[bool], transform: str = "none", tseed: int = 0
+            ) -> QuantizedTensor:
+    """The kernel call of :func:`quantize` and :func:`quantize_saved`: the (N, D) ``rows`` of
+    ``x`` (rotated already when ``transform`` says so) at ``bits``, as a QuantizedTensor."""
+    n, d = rows.shape
     if not isinstance(bits, (Tensor, SampleBits)):
         # one width: the kernel lays the rows out itself (no widths/offsets tensors per call)
         uniform = check_bits(bits)
@@ -231,33 +240,20 @@ def quantize_saved(x: Tensor, bits: Bits, group_size: int, stochastic: bool) -> 
     public function's checks of its settings (group size, rounding, transform, seed type: a
     dozen Python calls) were made once, when the ``LayerQConfig`` they come from was built.
     What the settings do not cover is still checked: ``x``'s dtype, a width given as an int,
-    per-sample widths (:func:`_rows_layout`). Empty tensors take the public path."""
+    per-sample widths (:func:`_rows_layout`)."""
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     seed = draw_seed() if stochastic else 0
-    rows = as_rows(no_graph(x))
-    n, d = rows.shape
-    if n * d == 0:
-        return quantize(x, bits, group_size, seed=seed,
-                        rounding="stochastic" if stochastic else "nearest")
-    if isinstance(bits, int):
-        data, lo, step = kernels(x.device).quantize_uniform(rows.contiguous(), check_bits(bits),
-                                                             group_size, seed, stochastic)
-        return QuantizedTensor(data, lo, step, x.shape, x.dtype, bits, group_size)
-    row_bits, offsets, total, _ = _rows_layout(bits, n, d, x.device, None)
-    data, lo, step = kernels(x.device).quantize(rows.contiguous(), row_bits, offsets, total,
-                                                group_size, seed, stochastic)
-    return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size, row_bits,
-                           offsets)
+    return _encode(x, as_rows(no_graph(x)), bits, group_size, seed, stochastic, None)
 
 
-def dequantize_saved(q: QuantizedTensor) -> Tensor:
-    """:func:`dequantize` of a payload :func:`quantize_saved` made (no rotation): the same
-    values, without the public function's checks (the payload is the library's own)."""
+def dequantize_saved(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
+    """:func:`dequantize` of a payload without a rotation (what :func:`quantize_saved`
+    makes), without the public function's type check (the payload is the library's own)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel():
         rows = as_rows(out)
-        _dequantize_rows_into(q, 0, rows.shape[0], rows, None)
+        _dequantize_rows_into(q, 0, rows.shape[0], rows, validate)
     return out
 
 
@@ -416,17 +412,16 @@ def dequantize(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"dequantize expects a QuantizedTensor, got {type(q).__name__}")
-    rotated = q.transform == "hadamard"
+    if q.transform != "hadamard":
+        return dequantize_saved(q, validate)
     # the inverse rotation runs in float32 before any rounding to a 16-bit dtype
-    out = torch.empty(q.shape, dtype=torch.float32 if rotated else q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out.to(q.dtype)
     rows = as_rows(out)
     _dequantize_rows_into(q, 0, rows.shape[0], rows, validate)
-    if rotated:
-        hadamard_(rows, q.group_size, q.transform_seed, inverse=True)
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
-    return out
+    hadamard_(rows, q.group_size, q.transform_seed, inverse=True)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def rows_out(q, start: int, stop: int, out: Optional[Tensor]) -> Tensor:
