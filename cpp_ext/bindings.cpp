@@ -96,8 +96,9 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& lo, const at::Te
 }
 
 // One width for every row, rows back to back: the (N,) widths and (N + 1,) byte offsets the
-// kernels read, made here rather than as two small tensors from Python on every call (a
-// Q-layer's quantize and dequantize each paid for two; offsets start at row `first`).
+// general kernels read, made here rather than as two small tensors from Python on every call
+// (offsets start at row `first`). The one-width entries below use it on CUDA only: the CPU
+// kernels compute that layout themselves (quantize_uniform_cpu), without the two tensors.
 std::pair<at::Tensor, at::Tensor> uniform_layout(int64_t n, int64_t d, int64_t bits,
                                                  int64_t first, const at::Device& device) {
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8,
@@ -107,7 +108,8 @@ std::pair<at::Tensor, at::Tensor> uniform_layout(int64_t n, int64_t d, int64_t b
   const auto opts = at::TensorOptions().device(device);
   if (!device.is_cpu()) {  // two small device ops, no host-to-device copy
     return {at::full({n}, bits, opts.dtype(at::kByte)),
-            at::arange(n + 1, opts.dtype(at::kLong)).add_(first).mul_(rb)};
+            rb > 0 ? at::arange(first * rb, (first + n + 1) * rb, rb, opts.dtype(at::kLong))
+                   : at::zeros({n + 1}, opts.dtype(at::kLong))};
   }
   at::Tensor b = at::empty({n}, opts.dtype(at::kByte));
   at::Tensor off = at::empty({n + 1}, opts.dtype(at::kLong));
@@ -140,6 +142,10 @@ at::Tensor row_offsets(int64_t d, const at::Tensor& bits) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform(
     const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
   TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d, got ", x2d.dim(), " dims");
+  if (x2d.device().is_cpu()) {  // the layout is arithmetic in the CPU kernel: no tensors
+    RECORD_USER_SCOPE("actnn_zoo::quantize");
+    return actnn_zoo::quantize_uniform_cpu(x2d, bits, group_size, seed, stochastic);
+  }
   const int64_t n = x2d.size(0), d = x2d.size(1);
   auto layout = uniform_layout(n, d, bits, 0, x2d.device());
   return quantize(x2d, layout.first, layout.second, n * ((d * bits + 7) / 8), group_size, seed,
@@ -152,6 +158,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_uniform(
     const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
     int64_t block, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
   TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d, got ", x2d.dim(), " dims");
+  if (x2d.device().is_cpu()) {
+    RECORD_USER_SCOPE("actnn_zoo::quantize");
+    return actnn_zoo::quantize_affine_uniform_cpu(x2d, shift, scale, row_stride, block, bits,
+                                                  group_size, seed, stochastic);
+  }
   const int64_t n = x2d.size(0), d = x2d.size(1);
   auto layout = uniform_layout(n, d, bits, 0, x2d.device());
   return quantize_affine(x2d, shift, scale, row_stride, block, layout.first, layout.second,
@@ -192,6 +203,11 @@ at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
   TORCH_CHECK_VALUE(first >= 0 && lo.dim() == 2 && first + n <= lo.size(0) &&
                     step.dim() == 2 && first + n <= step.size(0),
                     "rows ", first, ":", first + n, " are not rows of lo/step ", lo.sizes());
+  if (out.device().is_cpu()) {  // no layout tensors, no narrowed views (see quantize_uniform)
+    RECORD_USER_SCOPE("actnn_zoo::dequantize");
+    check_same_device(out, "out", {{&data, "data"}, {&lo, "lo"}, {&step, "step"}});
+    return actnn_zoo::dequantize_uniform_cpu(data, lo, step, bits, group_size, first, out);
+  }
   auto layout = uniform_layout(n, out.size(1), bits, first, out.device());
   return dequantize(data, lo.narrow(0, first, n), step.narrow(0, first, n), layout.first,
                     layout.second, group_size, out);

@@ -46,6 +46,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
 at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                           const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                           at::Tensor& out);
+// The three above with one width for every row, rows back to back (quantize_uniform's layout;
+// dequantize reads rows first .. first + N of lo, step and the codes): no widths or offsets
+// tensors are made, the layout is arithmetic.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cpu(
+    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_uniform_cpu(
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
+    int64_t block, int64_t bits, int64_t group_size, int64_t seed, bool stochastic);
+at::Tensor dequantize_uniform_cpu(const at::Tensor& data, const at::Tensor& lo,
+                                  const at::Tensor& step, int64_t bits, int64_t group_size,
+                                  int64_t first, at::Tensor& out);
 // Flat bool -> ceil(n / 8) bytes, element i at bit i % 8 of byte i / 8; and back.
 at::Tensor pack_mask_cpu(const at::Tensor& mask);
 at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel);

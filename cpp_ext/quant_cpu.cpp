@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -302,20 +303,40 @@ bool is_float_type(at::ScalarType t) {
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
-    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic, const Affine& affine) {
+void check_x2d(const at::Tensor& x2d, int64_t group_size) {
   check_cpu(x2d, "x2d");
   TORCH_CHECK(is_float_type(x2d.scalar_type()),
               "x2d must be float32, float16 or bfloat16, got ", x2d.scalar_type());
   TORCH_CHECK(x2d.dim() == 2, "x2d must be 2-d (N, D), got shape ", x2d.sizes());
   TORCH_CHECK(x2d.is_contiguous(), "x2d must be contiguous");
   check_group_size(group_size);
-  TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
+}
+
+// One width for every row, rows back to back from row `first`: the layout quantize_uniform and
+// dequantize_uniform use, made in this call's memory instead of as two tensors (two allocations
+// and a fill per quantize and per dequantize, ~1 us each on a tiny tensor).
+struct UniformRows {
+  std::vector<uint8_t> bits;
+  std::vector<int64_t> offsets;
+  UniformRows(int64_t n, int64_t d, int64_t width, int64_t first)
+      : bits(static_cast<size_t>(n), static_cast<uint8_t>(width)),
+        offsets(static_cast<size_t>(n + 1)) {
+    const int64_t rb = row_bytes(d, static_cast<int>(width));
+    for (int64_t r = 0; r <= n; ++r) offsets[static_cast<size_t>(r)] = (first + r) * rb;
+  }
+};
+
+void check_width(int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8,
+                    "bits must be 1, 2, 4 or 8, got ", bits);
+}
+
+// The work of the quantize entries once their arguments are checked: rows of widths `b` at
+// byte offsets `off` (inside [0, total), in order); `tiled`: back to back from byte 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_checked(
+    const at::Tensor& x2d, const uint8_t* b, const int64_t* off, int64_t total, bool tiled,
+    int64_t group_size, int64_t seed, bool stochastic, const Affine& affine) {
   const int64_t n_rows = x2d.size(0), d = x2d.size(1);
-  const bool tiled = check_rows(bits, offsets, n_rows, d, total, "total", true);
-  TORCH_CHECK_VALUE(offsets.data_ptr<int64_t>()[n_rows] <= total, "offsets[N] (",
-                    offsets.data_ptr<int64_t>()[n_rows], ") must be at most total (", total, ")");
   const int64_t g_per_row = (d + group_size - 1) / group_size;
 
   // Bytes outside every row are zeros in the reference. Rows back to back: only the tail after
@@ -323,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
   at::Tensor data = tiled ? at::empty({total}, x2d.options().dtype(at::kByte))
                           : at::zeros({total}, x2d.options().dtype(at::kByte));
   if (tiled) {
-    const int64_t end = offsets.data_ptr<int64_t>()[n_rows];
+    const int64_t end = off[n_rows];
     if (end < total) std::memset(data.data_ptr<uint8_t>() + end, 0, total - end);
   }
   at::Tensor lo = at::empty({n_rows, g_per_row}, x2d.options().dtype(at::kBFloat16));
@@ -331,8 +352,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
   if (n_rows == 0 || d == 0) return {data, lo, step};
 
   const uint32_t key = seed_key(static_cast<uint32_t>(seed));
-  const uint8_t* b = bits.data_ptr<uint8_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
   uint8_t* out = data.data_ptr<uint8_t>();
   uint16_t* lo_p = reinterpret_cast<uint16_t*>(lo.data_ptr<at::BFloat16>());
   uint16_t* step_p = reinterpret_cast<uint16_t*>(step.data_ptr<at::BFloat16>());
@@ -363,18 +382,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
   return {data, lo, step};
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic) {
-  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, Affine{});
+    int64_t group_size, int64_t seed, bool stochastic, const Affine& affine) {
+  check_x2d(x2d, group_size);
+  TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
+  const int64_t n_rows = x2d.size(0), d = x2d.size(1);
+  const bool tiled = check_rows(bits, offsets, n_rows, d, total, "total", true);
+  TORCH_CHECK_VALUE(offsets.data_ptr<int64_t>()[n_rows] <= total, "offsets[N] (",
+                    offsets.data_ptr<int64_t>()[n_rows], ") must be at most total (", total, ")");
+  return quantize_checked(x2d, bits.data_ptr<uint8_t>(), offsets.data_ptr<int64_t>(), total,
+                          tiled, group_size, seed, stochastic, affine);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
-    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
-    int64_t block, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_rows_cpu(
+    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic,
+    const Affine& affine) {
+  check_x2d(x2d, group_size);
+  check_width(bits);
+  const int64_t n_rows = x2d.size(0), d = x2d.size(1);
+  TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
+  const UniformRows rows(n_rows, d, bits, 0);
+  return quantize_checked(x2d, rows.bits.data(), rows.offsets.data(),
+                          n_rows * row_bytes(d, static_cast<int>(bits)), true, group_size, seed,
+                          stochastic, affine);
+}
+
+// The norms' statistics as quantize_affine reads them, checked.
+Affine affine_of(const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale,
+                 int64_t row_stride, int64_t block) {
   TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d (N, D), got shape ", x2d.sizes());
   const int64_t n = x2d.size(0), d = x2d.size(1);
   TORCH_CHECK_VALUE(block >= 1 && row_stride >= 0, "block must be >= 1 and row_stride >= 0, got ",
@@ -387,18 +423,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
                       "shift and scale must be contiguous 1-d float32 CPU tensors of at least ",
                       need, " values (row_stride ", row_stride, ", block ", block, ")");
   }
-  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic,
-                           Affine{shift.data_ptr<float>(), scale.data_ptr<float>(), row_stride,
-                                  block});
+  return Affine{shift.data_ptr<float>(), scale.data_ptr<float>(), row_stride, block};
 }
 
-at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
-                          const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
-                          at::Tensor& out) {
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
+    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic) {
+  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic, Affine{});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cpu(
+    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
+  return quantize_uniform_rows_cpu(x2d, bits, group_size, seed, stochastic, Affine{});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_uniform_cpu(
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
+    int64_t block, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
+  return quantize_uniform_rows_cpu(x2d, bits, group_size, seed, stochastic,
+                                   affine_of(x2d, shift, scale, row_stride, block));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
+    const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
+    int64_t block, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic) {
+  return quantize_rows_cpu(x2d, bits, offsets, total, group_size, seed, stochastic,
+                           affine_of(x2d, shift, scale, row_stride, block));
+}
+
+namespace {
+
+void check_out_and_data(const at::Tensor& data, const at::Tensor& out, int64_t group_size) {
   check_cpu(out, "out");
   check_cpu(data, "data");
-  check_cpu(lo, "lo");
-  check_cpu(step, "step");
   TORCH_CHECK(is_float_type(out.scalar_type()),
               "out must be float32, float16 or bfloat16, got ", out.scalar_type());
   TORCH_CHECK(out.dim() == 2, "out must be 2-d (N, D), got shape ", out.sizes());
@@ -407,25 +467,37 @@ at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at
               "data must be a contiguous 1-d uint8 tensor, got ", data.scalar_type(), " of shape ",
               data.sizes());
   check_group_size(group_size);
-  const int64_t n_rows = out.size(0), d = out.size(1);
-  const int64_t g_per_row = (d + group_size - 1) / group_size;
+}
+
+// lo and step: contiguous bf16 (rows, G) with rows `first` .. `first + n` present (`exact`:
+// exactly n rows, the general entry's contract).
+void check_metadata(const at::Tensor& lo, const at::Tensor& step, int64_t first, int64_t n,
+                    int64_t g_per_row, bool exact) {
   for (const at::Tensor* t : {&lo, &step}) {
     const char* name = t == &lo ? "lo" : "step";
+    check_cpu(*t, name);
     TORCH_CHECK(t->scalar_type() == at::kBFloat16, name, " must be bfloat16, got ",
                 t->scalar_type());
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == n_rows && t->size(1) == g_per_row, name,
-                " must have shape (", n_rows, ", ", g_per_row, "), got ", t->sizes());
+    if (exact) {
+      TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == g_per_row, name,
+                  " must have shape (", n, ", ", g_per_row, "), got ", t->sizes());
+    } else {
+      TORCH_CHECK_VALUE(t->dim() == 2 && t->size(1) == g_per_row && first >= 0 &&
+                            first + n <= t->size(0),
+                        "rows ", first, ":", first + n, " are not rows of ", name, " ",
+                        t->sizes(), " with ", g_per_row, " groups per row");
+    }
     TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
   }
-  check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
-  if (n_rows == 0 || d == 0) return out;
+}
 
+at::Tensor dequantize_checked(const at::Tensor& data, const uint16_t* lo_p, const uint16_t* step_p,
+                              const uint8_t* b, const int64_t* off, int64_t group_size,
+                              at::Tensor& out) {
+  const int64_t n_rows = out.size(0), d = out.size(1);
+  if (n_rows == 0 || d == 0) return out;
   advise_huge_pages(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
   const uint8_t* in = data.data_ptr<uint8_t>();
-  const uint16_t* lo_p = reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>());
-  const uint16_t* step_p = reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>());
-  const uint8_t* b = bits.data_ptr<uint8_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
   switch (out.scalar_type()) {
     case at::kFloat:
       dequantize_impl(in, lo_p, step_p, b, off, n_rows, d, group_size, out.data_ptr<float>());
@@ -439,6 +511,41 @@ at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at
       break;
   }
   return out;
+}
+
+const uint16_t* bf16_bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+}  // namespace
+
+at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                          const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
+                          at::Tensor& out) {
+  check_out_and_data(data, out, group_size);
+  const int64_t n_rows = out.size(0), d = out.size(1);
+  check_metadata(lo, step, 0, n_rows, (d + group_size - 1) / group_size, true);
+  check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
+  return dequantize_checked(data, bf16_bits(lo), bf16_bits(step), bits.data_ptr<uint8_t>(),
+                            offsets.data_ptr<int64_t>(), group_size, out);
+}
+
+at::Tensor dequantize_uniform_cpu(const at::Tensor& data, const at::Tensor& lo,
+                                  const at::Tensor& step, int64_t bits, int64_t group_size,
+                                  int64_t first, at::Tensor& out) {
+  check_out_and_data(data, out, group_size);
+  check_width(bits);
+  const int64_t n_rows = out.size(0), d = out.size(1);
+  const int64_t g_per_row = (d + group_size - 1) / group_size;
+  check_metadata(lo, step, first, n_rows, g_per_row, false);
+  TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
+  const int64_t rb = row_bytes(d, static_cast<int>(bits));
+  TORCH_CHECK_VALUE((first + n_rows) * rb <= data.numel(), "rows ", first, ":", first + n_rows,
+                    " (", rb, " bytes each) do not fit in data (", data.numel(), " bytes)");
+  const UniformRows rows(n_rows, d, bits, first);
+  return dequantize_checked(data, bf16_bits(lo) + first * g_per_row,
+                            bf16_bits(step) + first * g_per_row, rows.bits.data(),
+                            rows.offsets.data(), group_size, out);
 }
 
 namespace {

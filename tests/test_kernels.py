@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _ext import compiled_extension  # noqa: E402
 
@@ -504,6 +505,38 @@ def test_uniform_entries_equal_the_general_ones(n, d, bits, group_size, dtype, s
         impl.dequantize_uniform(want[0], want[1], want[2], bits, group_size, start, out)
         assert torch.equal(out.view(-1).view(torch.uint8),
                            full[start:stop].reshape(-1).view(torch.uint8))
+
+
+class _CountOps(TorchDispatchMode):
+    """Every operator dispatched while it is on, the extension's internal ones included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["plain", "affine"])
+def test_uniform_entries_make_no_layout_tensors_on_the_cpu(kind):
+    """A one-width quantize allocates its three outputs and nothing else, a one-width
+    dequantize into a given ``out`` (any row range) dispatches no operator: the CPU kernels lay
+    the rows out themselves. Before, each call also made a widths and an offsets tensor (and
+    dequantize two narrowed views): about a tenth of a converted GPT-2 step's operators."""
+    x, zero, one = torch.randn(3, 100), torch.zeros(100), torch.ones(100)
+    with _CountOps() as counted:
+        if kind == "plain":
+            data, lo, step = _C.quantize_uniform(x, 2, 32, 7, True)
+        else:
+            data, lo, step = _C.quantize_affine_uniform(x, zero, one, 0, 1, 2, 32, 7, True)
+    assert sorted(counted.ops) == ["empty.memory_format"] * 3, counted.ops
+    out = torch.empty(2, 100)
+    with _CountOps() as counted:
+        _C.dequantize_uniform(data, lo, step, 2, 32, 1, out)
+    assert counted.ops == []
+    assert torch.equal(out, R.dequantize_uniform(data, lo, step, 2, 32, 1, torch.empty(2, 100)))
 
 
 @pytest.mark.parametrize("impl", ["compiled", "reference"])
