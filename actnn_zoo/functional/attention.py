@@ -440,7 +440,7 @@ def _tiles(n: int, L: int, S: int, budget: int) -> Tuple[int, int]:
 # The Function
 # ----------------------------------------------------------------------------------------------
 class _Plan:
-    """Shapes, index maps and tile sizes of one call; rebuilt identically in backward."""
+    """Shapes, index maps and tile sizes of one call; the backward reads the forward's."""
 
     def __init__(self, qshape: torch.Size, kshape: torch.Size, vshape: torch.Size,
                  gqa: bool, device: torch.device, budget: int) -> None:
@@ -466,6 +466,14 @@ class _Plan:
     def keys(self, r0: int, r1: int, is_causal: bool) -> int:
         """Keys a row tile reads: with is_causal, rows below r1 see no key at or after r1."""
         return min(self.S, r1) if is_causal else self.S
+
+    def whole(self, is_causal: bool) -> bool:
+        """One tile holds the whole call (every sample, row and key) and every operand is
+        indexed by the output's own batch (no broadcasting, no GQA): the tile's gradients are
+        the results, with no buffers to zero and accumulate into."""
+        return bool(self.S and self.N and self.L and self.nb >= self.N and self.nr >= self.L
+                    and self.qi is None and self.ki is None and self.vi is None
+                    and self.keys(0, self.L, is_causal) == self.S)
 
 
 def _output_batch(qshape: Sequence[int], kshape: Sequence[int], vshape: Sequence[int],
@@ -594,7 +602,8 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         save(ctx, comp(query), comp(key), comp(value) if need_qk else None)
         ctx.attn_mask = attn_mask  # a reference to the caller's tensor, never a copy
         ctx.mask_version = tensor_version(attn_mask) if attn_mask is not None else None
-        ctx.args = (dropout_p, is_causal, scale, enable_gqa, mask_round, block, seed)
+        ctx.plan, ctx.drop = plan, drop  # host objects: shapes, ints, small index maps
+        ctx.args = (is_causal, scale, mask_round)
         ctx.dtypes = (query.dtype, key.dtype, value.dtype)
         ctx.vshape = value.shape
         return out
@@ -610,33 +619,36 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                 f"at version {tensor_version(attn_mask)}; expected version "
                 f"{ctx.mask_version} instead.")
         qc, kc, vc = load(ctx)
-        dropout_p, is_causal, scale, enable_gqa, mask_round, block, seed = ctx.args
+        is_causal, scale, mask_round = ctx.args
         need_q, need_k, need_v, need_m = ctx.needs_input_grad[:4]
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         dev = grad_out.device
         work = _work_dtype(q_dtype)
         vshape = ctx.vshape
-        plan = _Plan(qc.shape, kc.shape, vshape, enable_gqa, dev, block)
+        plan, drop = ctx.plan, ctx.drop
         L, S, Ev = plan.L, plan.S, plan.Ev
-        drop = _Dropout(seed, dropout_p, L, S, dev) if seed is not None else None
         mask = (_Mask(attn_mask, plan.out_batch, L, S, mask_round)
                 if attn_mask is not None else None)
         q, k = _rows(restore(qc)), _rows(restore(kc))
         v = _rows(restore(vc)) if vc is not None else None  # saved when dS is needed
         go = _rows(grad_out)
 
-        dq = torch.zeros(q.shape, dtype=work, device=dev) if need_q else None
-        dk = torch.zeros(k.shape, dtype=work, device=dev) if need_k else None
-        dv = (torch.zeros(math.prod(vshape[:-2]), S, Ev, dtype=work, device=dev)
-              if need_v else None)
+        whole = plan.whole(is_causal)  # one tile: its products are the gradients
+        dq = dk = dv = None
+        if not whole:
+            dq = torch.zeros(q.shape, dtype=work, device=dev) if need_q else None
+            dk = torch.zeros(k.shape, dtype=work, device=dev) if need_k else None
+            dv = (torch.zeros(math.prod(vshape[:-2]), S, Ev, dtype=work, device=dev)
+                  if need_v else None)
         dm = _MaskGrad(attn_mask, plan.out_batch, work) if need_m else None
         with _no_autocast(dev):
             for n0, n1 in plan.batch_tiles():
                 kt = cast(_take(k, plan.ki, n0, n1), work)
                 qb = _take(q, plan.qi, n0, n1)
                 vt = cast(_take(v, plan.vi, n0, n1), work) if v is not None else None
-                dkt = torch.zeros_like(kt) if need_k else None
-                dvt = torch.zeros(n1 - n0, S, Ev, dtype=work, device=dev) if need_v else None
+                dkt = torch.zeros_like(kt) if need_k and not whole else None
+                dvt = (torch.zeros(n1 - n0, S, Ev, dtype=work, device=dev)
+                       if need_v and not whole else None)
                 for r0, r1 in plan.row_tiles():
                     ke = plan.keys(r0, r1, is_causal)
                     qs = cast(_row_tile(qb, r0, r1), work) * scale
@@ -647,8 +659,12 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                     if drop is not None:  # dropout's 1 / (1 - p) rides on dO (not in place:
                         g = g * drop.scale  # g may be a view of grad_out)
                     if need_v:  # dV = (P * M)^T dO
-                        _cols(dvt, ke).baddbmm_((p if keep is None else p * keep).transpose(1, 2),
-                                                g)
+                        pm = (p if keep is None else p * keep).transpose(1, 2)
+                        if whole:
+                            dv = torch.bmm(pm, g)
+                        else:
+                            _cols(dvt, ke).baddbmm_(pm, g)
+                        del pm
                     if need_q or need_k or need_m:
                         dp = torch.bmm(g, _cols(vt, ke).transpose(1, 2))
                         if keep is not None:
@@ -659,15 +675,21 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                         if need_m:  # the mask is added to the scaled scores: dMask = dS
                             dm.add(n0, n1, r0, r1, ds)
                         if need_q:
-                            _accumulate(_row_tile(dq, r0, r1), plan.qi, n0, n1,
-                                        torch.bmm(ds, kk).mul_(scale))
-                        if need_k:
-                            # qs carries the scale
-                            _cols(dkt, ke).baddbmm_(ds.transpose(1, 2), qs)
+                            dq_t = torch.bmm(ds, kk).mul_(scale)
+                            if whole:
+                                dq = dq_t
+                            else:
+                                _accumulate(_row_tile(dq, r0, r1), plan.qi, n0, n1, dq_t)
+                            del dq_t
+                        if need_k:  # qs carries the scale
+                            if whole:
+                                dk = torch.bmm(ds.transpose(1, 2), qs)
+                            else:
+                                _cols(dkt, ke).baddbmm_(ds.transpose(1, 2), qs)
                         del ds, dp
-                if need_k:
+                if need_k and not whole:
                     _accumulate(dk, plan.ki, n0, n1, dkt)
-                if need_v:
+                if need_v and not whole:
                     _accumulate(dv, plan.vi, n0, n1, dvt)
         gq = cast(dq.reshape(qc.shape), q_dtype) if need_q else None
         gk = cast(dk.reshape(kc.shape), k_dtype) if need_k else None
