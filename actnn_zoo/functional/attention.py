@@ -596,10 +596,14 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         # v enters dQ, dK and the mask's gradient (through dP); dV alone needs only q and k
         need_qk = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]
 
-        def comp(t: Tensor) -> object:
-            return compress(t if t.dtype != torch.float64 else t.float(), qconfig, bits, maps=False)
+        def comp(rows: Tensor, t: Tensor) -> object:
+            # ``rows`` (the tiles' operand: a view of ``t``, or its contiguous copy when the
+            # batch dims do not merge) in ``t``'s shape: a second copy would cost as much again
+            r = rows.view(t.shape)
+            return compress(r if r.dtype != torch.float64 else r.float(), qconfig, bits,
+                            maps=False)
 
-        save(ctx, comp(query), comp(key), comp(value) if need_qk else None)
+        save(ctx, comp(q, query), comp(k, key), comp(v, value) if need_qk else None)
         ctx.attn_mask = attn_mask  # a reference to the caller's tensor, never a copy
         ctx.mask_version = tensor_version(attn_mask) if attn_mask is not None else None
         ctx.plan, ctx.drop = plan, drop  # host objects: shapes, ints, small index maps
