@@ -377,3 +377,41 @@ def test_layers_entry_checks_what_the_qconfig_does_not():
     with pytest.raises(ValueError, match="entries"):
         quantize_saved(torch.zeros(2, 4), SampleBits(torch.full((3,), 2, dtype=torch.uint8),
                                                      6), 256, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# dropout's scale, computed on the host
+# ----------------------------------------------------------------------------------------------
+_EDGE_P = [0.0, 1e-9, 2.0 ** -30, 0.1, 0.5, 0.9, 1 - 2.0 ** -24, 0.999999, 1 - 1e-12, 1.0]
+
+
+@settings(max_examples=400, deadline=None)
+@given(p=st.one_of(st.floats(0.0, 1.0), st.sampled_from(_EDGE_P)),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+def test_dropout_scale_equals_the_tensor_division(p, dtype):
+    """``dropout_scale`` (host arithmetic) is bit for bit what torch's dropout computes its
+    noise with, ``ones(dtype).div_(1 - p)`` on the CPU, for every float dtype and p in [0, 1]
+    (overflow to inf in half precision, and p = 1, included)."""
+    from actnn_zoo.quant.api import dropout_scale
+
+    want = torch.ones((), dtype=dtype).div_(1 - p).item()
+    got = dropout_scale(dtype, p)
+    assert got == want or (math.isnan(got) and math.isnan(want)), (p, dtype, got, want)
+
+
+def test_dropout_scale_makes_no_tensor():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from actnn_zoo.quant.api import dropout_scale
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            dropout_scale(dtype, 0.1)
+    assert Count.n == 0

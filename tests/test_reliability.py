@@ -484,9 +484,6 @@ HOST_READS_ALLOWED = {
     (str(Path("quant") / "seeds.py"), "draw_seed", "item"),
     # SampleBits' promises checked only when the widths are on the CPU (free there)
     (str(Path("quant") / "api.py"), "_capacity", "tolist"),
-    # 1/(1-p) rounded to the noise dtype on a 0-d CPU tensor made from constants (the fused
-    # dropout backward; in forward, the scale of a derived payload under capture)
-    (str(Path("quant") / "api.py"), "dropout_scale", "item"),
     # the one sanctioned read: re-allocated widths, one step after a non-blocking copy
     (str(Path("precision") / "readback.py"), "read", "tolist"),
 }

@@ -9,7 +9,9 @@ device, at the cost of one synchronisation per call.
 """
 from __future__ import annotations
 
+import math
 import os
+import struct
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -543,11 +545,46 @@ def _masked_grad_torch(grad: Tensor, packed: Tensor, on: Optional[float],
 _MASKED_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (ties to even; inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
+
+
+def _float16(x: float) -> float:
+    try:
+        return struct.unpack("e", struct.pack("e", x))[0]
+    except OverflowError:
+        return math.inf
+
+
+def _bfloat16(x: float) -> float:
+    """A finite float32 value rounded to the nearest bfloat16 (ties to even), on its bits."""
+    b = struct.unpack("I", struct.pack("f", x))[0]
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return struct.unpack("f", struct.pack("I", b << 16))[0]
+
+
+_ROUND_SCALE = {torch.float32: lambda s: s, torch.float16: _float16, torch.bfloat16: _bfloat16}
+
+
 def dropout_scale(dtype: torch.dtype, p: float) -> float:
     """``1 / (1 - p)`` rounded to ``dtype``, as torch's dropout computes its noise
     (``mask.to(dtype).div_(1 - p)``): the ``on`` factor :func:`masked_grad` takes for dropout.
-    A 0-d CPU tensor of constants, read back (no device involved)."""
-    return torch.ones((), dtype=dtype).div_(1 - p).item()
+
+    Host arithmetic, no tensor: that division on the CPU is a float32 division of 1 by
+    ``1 - p`` rounded to float32, then rounded to ``dtype`` (float64: a double division);
+    ``tests/test_quant.py`` checks every dtype against the tensor computation. Three operator
+    calls and a read-back were paid per dropout backward."""
+    if dtype == torch.float64:
+        return 1.0 / (1 - p) if p != 1 else math.inf
+    rnd = _ROUND_SCALE.get(dtype)
+    d = _float32(1 - p)
+    if rnd is None or d == 0:  # another dtype, or p == 1: the tensor computation itself
+        return torch.ones((), dtype=dtype).div_(1 - p).item()
+    return rnd(_float32(1.0 / d))
 
 
 def masked_grad(grad: Tensor, packed: Tensor, on: Optional[float] = None,
