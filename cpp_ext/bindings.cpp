@@ -139,17 +139,27 @@ at::Tensor row_offsets(int64_t d, const at::Tensor& bits) {
   return out;
 }
 
+// (N, D) of the quantization contract's row view of a tensor of any shape: dim 0 is the
+// sample, the rest one row; 0-d and 1-d tensors are one row.
+std::pair<int64_t, int64_t> contract_rows(at::IntArrayRef shape) {
+  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
+  int64_t d = 1;
+  for (size_t i = 1; i < shape.size(); ++i) d *= shape[i];
+  return {shape[0], d};
+}
+
+// x: any shape, contiguous, read as the contract's rows (the CPU kernel reads them without a
+// view; elsewhere one is made for the general kernel).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform(
-    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
-  TORCH_CHECK_VALUE(x2d.dim() == 2, "x2d must be 2-d, got ", x2d.dim(), " dims");
-  if (x2d.device().is_cpu()) {  // the layout is arithmetic in the CPU kernel: no tensors
+    const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
+  if (x.device().is_cpu()) {  // the layout is arithmetic in the CPU kernel: no tensors
     RECORD_USER_SCOPE("actnn_zoo::quantize");
-    return actnn_zoo::quantize_uniform_cpu(x2d, bits, group_size, seed, stochastic);
+    return actnn_zoo::quantize_uniform_cpu(x, bits, group_size, seed, stochastic);
   }
-  const int64_t n = x2d.size(0), d = x2d.size(1);
-  auto layout = uniform_layout(n, d, bits, 0, x2d.device());
-  return quantize(x2d, layout.first, layout.second, n * ((d * bits + 7) / 8), group_size, seed,
-                  stochastic);
+  const auto [n, d] = contract_rows(x.sizes());
+  auto layout = uniform_layout(n, d, bits, 0, x.device());
+  return quantize(x.view({n, d}), layout.first, layout.second, n * ((d * bits + 7) / 8),
+                  group_size, seed, stochastic);
 }
 
 // quantize_affine with one width, the layout made here (as quantize_uniform): a norm's
@@ -195,11 +205,11 @@ at::Tensor sample_offsets(int64_t d, const at::Tensor& bits, int64_t max_sum) {
   return out;
 }
 
+// out: any shape, contiguous, its rows the contract's (as quantize_uniform's x).
 at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
                               const at::Tensor& step, int64_t bits, int64_t group_size,
                               int64_t first, at::Tensor out) {
-  TORCH_CHECK_VALUE(out.dim() == 2, "out must be 2-d, got ", out.dim(), " dims");
-  const int64_t n = out.size(0);
+  const auto [n, d] = contract_rows(out.sizes());
   TORCH_CHECK_VALUE(first >= 0 && lo.dim() == 2 && first + n <= lo.size(0) &&
                     step.dim() == 2 && first + n <= step.size(0),
                     "rows ", first, ":", first + n, " are not rows of lo/step ", lo.sizes());
@@ -208,9 +218,10 @@ at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
     check_same_device(out, "out", {{&data, "data"}, {&lo, "lo"}, {&step, "step"}});
     return actnn_zoo::dequantize_uniform_cpu(data, lo, step, bits, group_size, first, out);
   }
-  auto layout = uniform_layout(n, out.size(1), bits, first, out.device());
-  return dequantize(data, lo.narrow(0, first, n), step.narrow(0, first, n), layout.first,
-                    layout.second, group_size, out);
+  auto layout = uniform_layout(n, d, bits, first, out.device());
+  dequantize(data, lo.narrow(0, first, n), step.narrow(0, first, n), layout.first,
+             layout.second, group_size, out.view({n, d}));
+  return out;
 }
 
 at::Tensor pack_mask(const at::Tensor& mask) {
@@ -361,14 +372,6 @@ void check_width(const char* op, int64_t bits, int64_t group_size) {
                     ": group_size must be a positive multiple of 8, got ", group_size);
 }
 
-// (N, D) of the quantization contract's row view: dim 0 the sample, the rest one row.
-std::pair<int64_t, int64_t> rows_of(at::IntArrayRef shape) {
-  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
-  int64_t d = 1;
-  for (size_t i = 1; i < shape.size(); ++i) d *= shape[i];
-  return {shape[0], d};
-}
-
 // A 31-bit seed from torch's default CPU generator (reproducible under torch.manual_seed), read
 // without a tensor op or a device sync.
 int64_t generator_seed() {
@@ -388,7 +391,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_op(
                    "actnn_zoo::quantize_uniform: float32/16 or bfloat16, got ", dt);
   TORCH_CHECK_VALUE(!seed.has_value() || seed->numel() >= 1,
                     "actnn_zoo::quantize_uniform: seed must hold a value");
-  const auto [n, d] = rows_of(x.sizes());
+  const auto [n, d] = contract_rows(x.sizes());
   if (n * d == 0) {
     at::Tensor lo = at::empty({n, (d + group_size - 1) / group_size},
                               x.options().dtype(at::kBFloat16));
@@ -398,7 +401,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_op(
   // torch.randint node per saved tensor). A given seed is read as a host scalar.
   const int64_t s = seed.has_value() ? seed->reshape({-1})[0].item<int64_t>() & 0xFFFFFFFFLL
                                      : generator_seed();
-  return quantize_uniform(x.view({n, d}), bits, group_size, s, stochastic);
+  return quantize_uniform(x, bits, group_size, s, stochastic);
 }
 
 at::Tensor dequantize_uniform_op(const at::Tensor& data, const at::Tensor& lo,
@@ -407,8 +410,7 @@ at::Tensor dequantize_uniform_op(const at::Tensor& data, const at::Tensor& lo,
   check_width("dequantize_uniform", bits, group_size);
   at::Tensor out = at::empty(shape, data.options().dtype(dtype));
   if (out.numel() == 0) return out;
-  const auto [n, d] = rows_of(out.sizes());
-  dequantize_uniform(data, lo, step, bits, group_size, 0, out.view({n, d}));
+  dequantize_uniform(data, lo, step, bits, group_size, 0, out);
   return out;
 }
 

@@ -48,7 +48,9 @@ at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at
                           at::Tensor& out);
 // The three above with one width for every row, rows back to back (quantize_uniform's layout;
 // dequantize reads rows first .. first + N of lo, step and the codes): no widths or offsets
-// tensors are made, the layout is arithmetic.
+// tensors are made, the layout is arithmetic. quantize_uniform_cpu's x and
+// dequantize_uniform_cpu's out may have any shape (contiguous): their rows are the
+// contract's, dim 0 the sample and a 0-d or 1-d tensor one row, read without a view.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cpu(
     const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_uniform_cpu(

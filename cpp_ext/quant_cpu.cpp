@@ -303,13 +303,25 @@ bool is_float_type(at::ScalarType t) {
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-void check_x2d(const at::Tensor& x2d, int64_t group_size) {
-  check_cpu(x2d, "x2d");
-  TORCH_CHECK(is_float_type(x2d.scalar_type()),
-              "x2d must be float32, float16 or bfloat16, got ", x2d.scalar_type());
-  TORCH_CHECK(x2d.dim() == 2, "x2d must be 2-d (N, D), got shape ", x2d.sizes());
-  TORCH_CHECK(x2d.is_contiguous(), "x2d must be contiguous");
+// x: contiguous float32/16 or bfloat16 on the CPU; `two_d`: of shape (N, D), else any shape
+// read as the contract's rows (contract_rows).
+void check_x(const at::Tensor& x, int64_t group_size, bool two_d) {
+  const char* name = two_d ? "x2d" : "x";
+  check_cpu(x, name);
+  TORCH_CHECK(is_float_type(x.scalar_type()), name,
+              " must be float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(!two_d || x.dim() == 2, "x2d must be 2-d (N, D), got shape ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), name, " must be contiguous");
   check_group_size(group_size);
+}
+
+// The quantization contract's rows of a contiguous tensor of any shape: dim 0 is the sample,
+// the rest one row; a 0-d or 1-d tensor is one row. Read from the sizes, no view made.
+std::pair<int64_t, int64_t> contract_rows(const at::Tensor& t) {
+  if (t.dim() <= 1) return {1, t.numel()};
+  int64_t d = 1;
+  for (int64_t i = 1; i < t.dim(); ++i) d *= t.size(i);
+  return {t.size(0), d};
 }
 
 // One width for every row, rows back to back from row `first`: the layout quantize_uniform and
@@ -334,9 +346,9 @@ void check_width(int64_t bits) {
 // The work of the quantize entries once their arguments are checked: rows of widths `b` at
 // byte offsets `off` (inside [0, total), in order); `tiled`: back to back from byte 0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_checked(
-    const at::Tensor& x2d, const uint8_t* b, const int64_t* off, int64_t total, bool tiled,
-    int64_t group_size, int64_t seed, bool stochastic, const Affine& affine) {
-  const int64_t n_rows = x2d.size(0), d = x2d.size(1);
+    const at::Tensor& x2d, int64_t n_rows, int64_t d, const uint8_t* b, const int64_t* off,
+    int64_t total, bool tiled, int64_t group_size, int64_t seed, bool stochastic,
+    const Affine& affine) {
   const int64_t g_per_row = (d + group_size - 1) / group_size;
 
   // Bytes outside every row are zeros in the reference. Rows back to back: only the tail after
@@ -385,25 +397,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_checked(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_cpu(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t group_size, int64_t seed, bool stochastic, const Affine& affine) {
-  check_x2d(x2d, group_size);
+  check_x(x2d, group_size, true);
   TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
   const int64_t n_rows = x2d.size(0), d = x2d.size(1);
   const bool tiled = check_rows(bits, offsets, n_rows, d, total, "total", true);
   TORCH_CHECK_VALUE(offsets.data_ptr<int64_t>()[n_rows] <= total, "offsets[N] (",
                     offsets.data_ptr<int64_t>()[n_rows], ") must be at most total (", total, ")");
-  return quantize_checked(x2d, bits.data_ptr<uint8_t>(), offsets.data_ptr<int64_t>(), total,
-                          tiled, group_size, seed, stochastic, affine);
+  return quantize_checked(x2d, n_rows, d, bits.data_ptr<uint8_t>(),
+                          offsets.data_ptr<int64_t>(), total, tiled, group_size, seed,
+                          stochastic, affine);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_rows_cpu(
-    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic,
+    const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed, bool stochastic,
     const Affine& affine) {
-  check_x2d(x2d, group_size);
+  check_x(x, group_size, affine.shift != nullptr);
   check_width(bits);
-  const int64_t n_rows = x2d.size(0), d = x2d.size(1);
+  const auto [n_rows, d] = contract_rows(x);
   TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
   const UniformRows rows(n_rows, d, bits, 0);
-  return quantize_checked(x2d, rows.bits.data(), rows.offsets.data(),
+  return quantize_checked(x, n_rows, d, rows.bits.data(), rows.offsets.data(),
                           n_rows * row_bytes(d, static_cast<int>(bits)), true, group_size, seed,
                           stochastic, affine);
 }
@@ -456,12 +469,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_cpu(
 
 namespace {
 
-void check_out_and_data(const at::Tensor& data, const at::Tensor& out, int64_t group_size) {
+// out: contiguous float on the CPU, (N, D) when `two_d`, else any shape (contract_rows).
+void check_out_and_data(const at::Tensor& data, const at::Tensor& out, int64_t group_size,
+                        bool two_d) {
   check_cpu(out, "out");
   check_cpu(data, "data");
   TORCH_CHECK(is_float_type(out.scalar_type()),
               "out must be float32, float16 or bfloat16, got ", out.scalar_type());
-  TORCH_CHECK(out.dim() == 2, "out must be 2-d (N, D), got shape ", out.sizes());
+  TORCH_CHECK(!two_d || out.dim() == 2, "out must be 2-d (N, D), got shape ", out.sizes());
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
               "data must be a contiguous 1-d uint8 tensor, got ", data.scalar_type(), " of shape ",
@@ -493,8 +508,7 @@ void check_metadata(const at::Tensor& lo, const at::Tensor& step, int64_t first,
 
 at::Tensor dequantize_checked(const at::Tensor& data, const uint16_t* lo_p, const uint16_t* step_p,
                               const uint8_t* b, const int64_t* off, int64_t group_size,
-                              at::Tensor& out) {
-  const int64_t n_rows = out.size(0), d = out.size(1);
+                              at::Tensor& out, int64_t n_rows, int64_t d) {
   if (n_rows == 0 || d == 0) return out;
   advise_huge_pages(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
   const uint8_t* in = data.data_ptr<uint8_t>();
@@ -522,20 +536,20 @@ const uint16_t* bf16_bits(const at::Tensor& t) {
 at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                           const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                           at::Tensor& out) {
-  check_out_and_data(data, out, group_size);
+  check_out_and_data(data, out, group_size, true);
   const int64_t n_rows = out.size(0), d = out.size(1);
   check_metadata(lo, step, 0, n_rows, (d + group_size - 1) / group_size, true);
   check_rows(bits, offsets, n_rows, d, data.numel(), "data", false);
   return dequantize_checked(data, bf16_bits(lo), bf16_bits(step), bits.data_ptr<uint8_t>(),
-                            offsets.data_ptr<int64_t>(), group_size, out);
+                            offsets.data_ptr<int64_t>(), group_size, out, n_rows, d);
 }
 
 at::Tensor dequantize_uniform_cpu(const at::Tensor& data, const at::Tensor& lo,
                                   const at::Tensor& step, int64_t bits, int64_t group_size,
                                   int64_t first, at::Tensor& out) {
-  check_out_and_data(data, out, group_size);
+  check_out_and_data(data, out, group_size, false);
   check_width(bits);
-  const int64_t n_rows = out.size(0), d = out.size(1);
+  const auto [n_rows, d] = contract_rows(out);
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   check_metadata(lo, step, first, n_rows, g_per_row, false);
   TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
@@ -545,7 +559,7 @@ at::Tensor dequantize_uniform_cpu(const at::Tensor& data, const at::Tensor& lo,
   const UniformRows rows(n_rows, d, bits, first);
   return dequantize_checked(data, bf16_bits(lo) + first * g_per_row,
                             bf16_bits(step) + first * g_per_row, rows.bits.data(),
-                            rows.offsets.data(), group_size, out);
+                            rows.offsets.data(), group_size, out, n_rows, d);
 }
 
 namespace {

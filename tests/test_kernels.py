@@ -525,18 +525,43 @@ def test_uniform_entries_make_no_layout_tensors_on_the_cpu(kind):
     dequantize into a given ``out`` (any row range) dispatches no operator: the CPU kernels lay
     the rows out themselves. Before, each call also made a widths and an offsets tensor (and
     dequantize two narrowed views): about a tenth of a converted GPT-2 step's operators."""
-    x, zero, one = torch.randn(3, 100), torch.zeros(100), torch.ones(100)
+    # the plain entries read any shape's rows (here (3, 4, 25): rows of 100) without a view
+    x, zero, one = torch.randn(3, 4, 25), torch.zeros(100), torch.ones(100)
+    x2d = x.view(3, 100)  # (the normalizing entry takes (N, D))
     with _CountOps() as counted:
         if kind == "plain":
             data, lo, step = _C.quantize_uniform(x, 2, 32, 7, True)
         else:
-            data, lo, step = _C.quantize_affine_uniform(x, zero, one, 0, 1, 2, 32, 7, True)
+            data, lo, step = _C.quantize_affine_uniform(x2d, zero, one, 0, 1, 2, 32, 7, True)
     assert sorted(counted.ops) == ["empty.memory_format"] * 3, counted.ops
-    out = torch.empty(2, 100)
+    out = torch.empty(2, 4, 25)
     with _CountOps() as counted:
         _C.dequantize_uniform(data, lo, step, 2, 32, 1, out)
     assert counted.ops == []
-    assert torch.equal(out, R.dequantize_uniform(data, lo, step, 2, 32, 1, torch.empty(2, 100)))
+    want = R.dequantize_uniform(data, lo, step, 2, 32, 1, torch.empty(2, 100))
+    assert torch.equal(out.view(2, 100), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+       bits=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2 ** 32 - 1))
+def test_uniform_entries_read_any_shape_as_its_contract_rows(shape, bits, seed):
+    """A tensor of any shape (0-d and 1-d included) quantizes, compiled and in the reference,
+    exactly as its (N, D) row view does (dim 0 the sample; 0-d and 1-d one row), and decodes
+    into an output of its shape exactly as into the row view."""
+    x = torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed % 1000))
+    n, d = R.contract_rows(x.shape)
+    for impl in (_C, R):
+        want = impl.quantize_uniform(x.reshape(n, d), bits, 16, seed, True)
+        got = impl.quantize_uniform(x, bits, 16, seed, True)
+        for a, b in zip(got, want):  # (bfloat16 lo/step compared bit for bit)
+            bits_of = (lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+            assert torch.equal(bits_of(a), bits_of(b))
+        if n * d:
+            out = torch.full(x.shape, float("nan"))
+            impl.dequantize_uniform(*want, bits, 16, 0, out)
+            rows = impl.dequantize_uniform(*want, bits, 16, 0, torch.empty(n, d))
+            assert torch.equal(out.reshape(n, d), rows)
 
 
 @pytest.mark.parametrize("impl", ["compiled", "reference"])

@@ -210,11 +210,13 @@ def quantize(x: Tensor, bits: Bits = 2, group_size: int = 256,
 def _encode(x: Tensor, rows: Tensor, bits: Bits, group_size: int, seed: int, stochastic: bool,
             validate: Optional[bool], transform: str = "none", tseed: int = 0
             ) -> QuantizedTensor:
-    """The kernel call of :func:`quantize` and :func:`quantize_saved`: the (N, D) ``rows`` of
-    ``x`` (rotated already when ``transform`` says so) at ``bits``, as a QuantizedTensor."""
-    n, d = rows.shape
+    """The kernel call of :func:`quantize` and :func:`quantize_saved`: ``rows``, the values of
+    ``x`` (rotated already when ``transform`` says so) in any shape whose contract rows are
+    ``x``'s (dim 0 the sample), at ``bits``, as a QuantizedTensor."""
+    n, d = reference.contract_rows(rows.shape)
     if not isinstance(bits, (Tensor, SampleBits)):
-        # one width: the kernel lays the rows out itself (no widths/offsets tensors per call)
+        # one width: the kernel reads the rows and lays them out itself (no view, no widths or
+        # offsets tensors per call)
         uniform = check_bits(bits)
         if n * d == 0:
             data, lo, step = _empty_codes(n, d, group_size, x.device)
@@ -228,8 +230,8 @@ def _encode(x: Tensor, rows: Tensor, bits: Bits, group_size: int, seed: int, sto
         data, lo, step = _empty_codes(n, d, group_size, x.device)
     else:
         data, lo, step = kernels(x.device).quantize(
-            rows.contiguous(), row_bits, offsets, total, group_size, seed & 0xFFFFFFFF,
-            stochastic)
+            (rows if rows.dim() == 2 else as_rows(rows)).contiguous(), row_bits, offsets,
+            total, group_size, seed & 0xFFFFFFFF, stochastic)
     return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
                            row_bits, offsets, transform, tseed)
 
@@ -246,7 +248,7 @@ def quantize_saved(x: Tensor, bits: Bits, group_size: int, stochastic: bool) -> 
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     seed = draw_seed() if stochastic else 0
-    return _encode(x, as_rows(no_graph(x)), bits, group_size, seed, stochastic, None)
+    return _encode(x, no_graph(x), bits, group_size, seed, stochastic, None)
 
 
 def dequantize_saved(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
@@ -254,8 +256,7 @@ def dequantize_saved(q: QuantizedTensor, validate: Optional[bool] = None) -> Ten
     makes), without the public function's type check (the payload is the library's own)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel():
-        rows = as_rows(out)
-        _dequantize_rows_into(q, 0, rows.shape[0], rows, validate)
+        _dequantize_rows_into(q, 0, q.lo.shape[0], out, validate)
     return out
 
 
@@ -466,18 +467,20 @@ def dequantize_rows(q: QuantizedTensor, start: int, stop: int, out: Optional[Ten
             out.copy_(hadamard_(as_rows(rows), q.group_size, q.transform_seed,
                                 inverse=True).view(out.shape))
         else:
-            _dequantize_rows_into(q, start, stop, as_rows(out), validate)
+            _dequantize_rows_into(q, start, stop, out, validate)
     return out
 
 
-def _dequantize_rows_into(q: QuantizedTensor, start: int, stop: int, rows: Tensor,
+def _dequantize_rows_into(q: QuantizedTensor, start: int, stop: int, out: Tensor,
                           validate: Optional[bool]) -> None:
-    """The kernel call: rows ``start:stop`` of ``q`` into the (stop - start, D) ``rows``. The
-    codes are addressed through absolute row offsets, so the whole ``data`` buffer is passed."""
-    if not q.mixed:  # the kernel lays the rows out itself (no widths/offsets tensors)
-        kernels(rows.device).dequantize_uniform(q.data, q.lo, q.step, q.bits, q.group_size,
-                                                start, rows)
+    """The kernel call: rows ``start:stop`` of ``q`` into ``out``, contiguous, whose contract
+    rows (dim 0 the sample) are those. The codes are addressed through absolute row offsets,
+    so the whole ``data`` buffer is passed."""
+    if not q.mixed:  # the kernel reads the rows and lays them out itself: no view, no tensors
+        kernels(out.device).dequantize_uniform(q.data, q.lo, q.step, q.bits, q.group_size,
+                                               start, out)
         return
+    rows = out if out.dim() == 2 else as_rows(out)
     if debug_checks(validate):
         _check_layout(q.row_bits, q.offsets, rows.shape[1], q.data.numel(),
                       "QuantizedTensor.row_bits")

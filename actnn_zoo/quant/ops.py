@@ -19,12 +19,13 @@ step of a compiled graph rounds with new random numbers at no extra graph node.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .backend import extension, kernels
+from .reference import contract_rows
 
 __all__ = ["quantize_uniform", "dequantize_uniform", "pack_mask", "unpack_mask", "rows_of"]
 
@@ -48,15 +49,9 @@ _DEFINED_IN_CPP = bool(getattr(_EXT, "has_torch_ops", False)) or _defined("quant
 _LIB = torch.library.Library(_NS, "FRAGMENT")
 
 
-def rows_of(shape: Sequence[int]) -> Tuple[int, int]:
-    """(N, D) of the quantization contract's row view: dim 0 is the sample, the rest one row;
-    0-d and 1-d tensors are one row (works on symbolic sizes too)."""
-    if len(shape) <= 1:
-        return 1, (shape[0] if shape else 1)
-    d = 1
-    for s in shape[1:]:
-        d = d * s
-    return shape[0], d
+# (N, D) of the quantization contract's row view: dim 0 is the sample, the rest one row;
+# 0-d and 1-d tensors are one row (works on symbolic sizes too)
+rows_of = contract_rows
 
 
 def _check(bits: int, group_size: int) -> None:
@@ -93,9 +88,7 @@ def _quantize_uniform(x: Tensor, seed: Optional[Tensor], bits: int, group_size: 
         return torch.empty(0, dtype=torch.uint8, device=x.device), lo, torch.empty_like(lo)
     s = (int(seed.reshape(-1)[0]) & 0xFFFFFFFF if seed is not None
          else int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
-    data, lo, step = kernels(x.device).quantize_uniform(x.view(n, d), bits, group_size, s,
-                                                         stochastic)
-    return data, lo, step
+    return kernels(x.device).quantize_uniform(x, bits, group_size, s, stochastic)
 
 
 def _quantize_uniform_fake(x: Tensor, seed: Optional[Tensor], bits: int, group_size: int,
@@ -126,9 +119,7 @@ def _dequantize_uniform(data: Tensor, lo: Tensor, step: Tensor, shape: List[int]
     _check(bits, group_size)
     out = torch.empty(shape, dtype=dtype, device=data.device)
     if out.numel():
-        n, d = rows_of(out.shape)
-        kernels(data.device).dequantize_uniform(data, lo, step, bits, group_size, 0,
-                                                out.view(n, d))
+        kernels(data.device).dequantize_uniform(data, lo, step, bits, group_size, 0, out)
     return out
 
 

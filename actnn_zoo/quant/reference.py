@@ -18,7 +18,8 @@ Layout (see docs/design.md, the quantization contract):
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import math
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -309,24 +310,35 @@ def _uniform_layout(n: int, d: int, bits: int, first: int, device: torch.device
             uniform_offsets(n, d, bits, device, first))
 
 
-def quantize_uniform(x2d: Tensor, bits: int, group_size: int, seed: int, stochastic: bool
+def contract_rows(shape: Sequence[int]) -> Tuple[int, int]:
+    """(N, D) of the contract's row view of a tensor of ``shape``: dim 0 is the sample, the
+    rest one row; a 0-d or 1-d tensor is one row."""
+    if len(shape) <= 1:
+        return 1, (shape[0] if shape else 1)
+    return shape[0], math.prod(shape[1:])
+
+
+def quantize_uniform(x: Tensor, bits: int, group_size: int, seed: int, stochastic: bool
                      ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`quantize` with one width for every row (``N * ceil(D * bits / 8)`` bytes)."""
-    n, d = x2d.shape
-    row_bits, offsets = _uniform_layout(n, d, bits, 0, x2d.device)
-    return quantize(x2d, row_bits, offsets, n * ((d * bits + 7) // 8), group_size, seed,
-                    stochastic)
+    """:func:`quantize` with one width for every row (``N * ceil(D * bits / 8)`` bytes) of
+    ``x``, any shape, read as the contract's rows (:func:`contract_rows`)."""
+    n, d = contract_rows(x.shape)
+    row_bits, offsets = _uniform_layout(n, d, bits, 0, x.device)
+    return quantize(x.reshape(n, d), row_bits, offsets, n * ((d * bits + 7) // 8), group_size,
+                    seed, stochastic)
 
 
 def dequantize_uniform(data: Tensor, lo: Tensor, step: Tensor, bits: int, group_size: int,
                        first: int, out: Tensor) -> Tensor:
-    """:func:`dequantize` of rows ``first:first + len(out)`` of one-width codes into ``out``."""
-    n, d = out.shape
+    """:func:`dequantize` of rows ``first:first + N`` of one-width codes into ``out`` (any
+    contiguous shape of N rows, as :func:`quantize_uniform` reads its input)."""
+    n, d = contract_rows(out.shape)
     if first < 0 or first + n > lo.shape[0] or first + n > step.shape[0]:
         raise ValueError(f"rows {first}:{first + n} are not rows of lo/step {tuple(lo.shape)}")
     row_bits, offsets = _uniform_layout(n, d, bits, first, out.device)
-    return dequantize(data, lo[first:first + n], step[first:first + n], row_bits, offsets,
-                      group_size, out)
+    dequantize(data, lo[first:first + n], step[first:first + n], row_bits, offsets,
+               group_size, out.view(n, d))
+    return out
 
 
 def pack_mask(mask: Tensor) -> Tensor:
