@@ -139,15 +139,6 @@ at::Tensor row_offsets(int64_t d, const at::Tensor& bits) {
   return out;
 }
 
-// (N, D) of the quantization contract's row view of a tensor of any shape: dim 0 is the
-// sample, the rest one row; 0-d and 1-d tensors are one row.
-std::pair<int64_t, int64_t> contract_rows(at::IntArrayRef shape) {
-  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
-  int64_t d = 1;
-  for (size_t i = 1; i < shape.size(); ++i) d *= shape[i];
-  return {shape[0], d};
-}
-
 // x: any shape, contiguous, read as the contract's rows (the CPU kernel reads them without a
 // view; elsewhere one is made for the general kernel).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform(
@@ -156,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform(
     RECORD_USER_SCOPE("actnn_zoo::quantize");
     return actnn_zoo::quantize_uniform_cpu(x, bits, group_size, seed, stochastic);
   }
-  const auto [n, d] = contract_rows(x.sizes());
+  const auto [n, d] = actnn_zoo::contract_rows(x.sizes());
   auto layout = uniform_layout(n, d, bits, 0, x.device());
   return quantize(x.view({n, d}), layout.first, layout.second, n * ((d * bits + 7) / 8),
                   group_size, seed, stochastic);
@@ -209,7 +200,7 @@ at::Tensor sample_offsets(int64_t d, const at::Tensor& bits, int64_t max_sum) {
 at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
                               const at::Tensor& step, int64_t bits, int64_t group_size,
                               int64_t first, at::Tensor out) {
-  const auto [n, d] = contract_rows(out.sizes());
+  const auto [n, d] = actnn_zoo::contract_rows(out.sizes());
   TORCH_CHECK_VALUE(first >= 0 && lo.dim() == 2 && first + n <= lo.size(0) &&
                     step.dim() == 2 && first + n <= step.size(0),
                     "rows ", first, ":", first + n, " are not rows of lo/step ", lo.sizes());
@@ -391,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_op(
                    "actnn_zoo::quantize_uniform: float32/16 or bfloat16, got ", dt);
   TORCH_CHECK_VALUE(!seed.has_value() || seed->numel() >= 1,
                     "actnn_zoo::quantize_uniform: seed must hold a value");
-  const auto [n, d] = contract_rows(x.sizes());
+  const auto [n, d] = actnn_zoo::contract_rows(x.sizes());
   if (n * d == 0) {
     at::Tensor lo = at::empty({n, (d + group_size - 1) / group_size},
                               x.options().dtype(at::kBFloat16));

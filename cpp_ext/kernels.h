@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace actnn_zoo {
 
@@ -25,6 +26,15 @@ AZ_HD uint32_t seed_key(uint32_t seed) { return fmix32(seed + 0x9E3779B9u); }
 AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
   uint32_t h = fmix32(static_cast<uint32_t>(i) ^ key ^ (static_cast<uint32_t>(i >> 32) * 0x85EBCA6Bu));
   return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+}
+
+// (N, D) of the quantization contract's row view of a tensor of `shape`: dim 0 is the sample,
+// the rest one row; a 0-d or 1-d tensor is one row (reference.contract_rows' twin).
+inline std::pair<int64_t, int64_t> contract_rows(at::IntArrayRef shape) {
+  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
+  int64_t d = 1;
+  for (size_t i = 1; i < shape.size(); ++i) d *= shape[i];
+  return {shape[0], d};
 }
 
 // x2d: (N, D) contiguous float32/float16/bfloat16. bits: (N,) uint8 in {1,2,4,8}.
@@ -52,7 +62,7 @@ at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& lo, const at
 // dequantize_uniform_cpu's out may have any shape (contiguous): their rows are the
 // contract's, dim 0 the sample and a 0-d or 1-d tensor one row, read without a view.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cpu(
-    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic);
+    const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed, bool stochastic);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_uniform_cpu(
     const at::Tensor& x2d, const at::Tensor& shift, const at::Tensor& scale, int64_t row_stride,
     int64_t block, int64_t bits, int64_t group_size, int64_t seed, bool stochastic);

@@ -315,15 +315,6 @@ void check_x(const at::Tensor& x, int64_t group_size, bool two_d) {
   check_group_size(group_size);
 }
 
-// The quantization contract's rows of a contiguous tensor of any shape: dim 0 is the sample,
-// the rest one row; a 0-d or 1-d tensor is one row. Read from the sizes, no view made.
-std::pair<int64_t, int64_t> contract_rows(const at::Tensor& t) {
-  if (t.dim() <= 1) return {1, t.numel()};
-  int64_t d = 1;
-  for (int64_t i = 1; i < t.dim(); ++i) d *= t.size(i);
-  return {t.size(0), d};
-}
-
 // One width for every row, rows back to back from row `first`: the layout quantize_uniform and
 // dequantize_uniform use, made in this call's memory instead of as two tensors (two allocations
 // and a fill per quantize and per dequantize, ~1 us each on a tiny tensor).
@@ -413,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_rows_cpu(
     const Affine& affine) {
   check_x(x, group_size, affine.shift != nullptr);
   check_width(bits);
-  const auto [n_rows, d] = contract_rows(x);
+  const auto [n_rows, d] = contract_rows(x.sizes());
   TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
   const UniformRows rows(n_rows, d, bits, 0);
   return quantize_checked(x, n_rows, d, rows.bits.data(), rows.offsets.data(),
@@ -448,8 +439,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cpu(
-    const at::Tensor& x2d, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
-  return quantize_uniform_rows_cpu(x2d, bits, group_size, seed, stochastic, Affine{});
+    const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed, bool stochastic) {
+  return quantize_uniform_rows_cpu(x, bits, group_size, seed, stochastic, Affine{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine_uniform_cpu(
@@ -549,7 +540,7 @@ at::Tensor dequantize_uniform_cpu(const at::Tensor& data, const at::Tensor& lo,
                                   int64_t first, at::Tensor& out) {
   check_out_and_data(data, out, group_size, false);
   check_width(bits);
-  const auto [n_rows, d] = contract_rows(out);
+  const auto [n_rows, d] = contract_rows(out.sizes());
   const int64_t g_per_row = (d + group_size - 1) / group_size;
   check_metadata(lo, step, first, n_rows, g_per_row, false);
   TORCH_CHECK_VALUE(d <= (int64_t{1} << 59), "rows of ", d, " values are too long");
