@@ -249,6 +249,18 @@ def dequantize_rows(item: Union[QuantizedTensor, SparseQuantizedTensor], start: 
 PRODUCE_CHUNK_BYTES = 1 << 20
 
 
+def produce_bounds(shape: torch.Size) -> Optional[List[int]]:
+    """The sample bounds ``[0, ..., n]`` of the chunks in which :func:`compress_produced` makes
+    a float32 tensor of ``shape`` (each at most about ``PRODUCE_CHUNK_BYTES``), or None when
+    it is made whole (less than two chunks' worth, or one sample)."""
+    n = shape[0] if len(shape) >= 2 else 1
+    total = shape.numel() * 4  # produced in float32
+    k = min(n, -(-total // PRODUCE_CHUNK_BYTES))
+    if k < 2:
+        return None
+    return [n * i // k for i in range(k + 1)]
+
+
 def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
                       qconfig: LayerQConfig, bits: Optional[Bits] = None
                       ) -> Optional[QuantizedTensor]:
@@ -265,14 +277,11 @@ def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
     chunk with its own seed (the same contract: unbiased, per-group metadata).
     """
     b = qconfig.bits if bits is None else bits
-    n = shape[0] if len(shape) >= 2 else 1
-    total = shape.numel() * 4  # produced in float32
-    k = min(n, -(-total // PRODUCE_CHUNK_BYTES))
-    if k < 2 or qconfig.compressor != "quant" or qconfig.transform != "none":
+    bounds = produce_bounds(shape)
+    if bounds is None or qconfig.compressor != "quant" or qconfig.transform != "none":
         return None
     if isinstance(b, SampleBits) and b.bits.device.type != "cpu":
         return None
-    bounds = [n * i // k for i in range(k + 1)]
     parts = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
         if isinstance(b, SampleBits):

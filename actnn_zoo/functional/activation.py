@@ -285,7 +285,7 @@ class DerivativeActivationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, op: str, params: Tuple, qconfig: LayerQConfig, bits: OptBits,
-                inplace: bool) -> Tensor:
+                inplace: bool, derivative: Optional[Tensor] = None) -> Tensor:
         uses_out = op in ("sigmoid", "tanh")
         perm = memory_perm(x)
         shape = x.shape if perm is None else x.permute(perm).shape
@@ -298,8 +298,11 @@ class DerivativeActivationFunction(torch.autograd.Function):
         # f'(x) before any in-place update of x (sigmoid/tanh read the output instead); made
         # and quantized a chunk of samples at a time when large (compress_produced)
         out = _apply_op(op, x, params, inplace) if uses_out else None
-        q = compress_produced(produce, shape, qconfig, bits)
-        deriv = activation_derivative(op, x, out, params) if q is None else None
+        if derivative is not None:  # made whole from this x already (see _deriv_apply)
+            q, deriv = None, derivative
+        else:
+            q = compress_produced(produce, shape, qconfig, bits)
+            deriv = activation_derivative(op, x, out, params) if q is None else None
         if not uses_out:
             out = _apply_op(op, x, params, inplace)
         if inplace:
@@ -328,7 +331,7 @@ class DerivativeActivationFunction(torch.autograd.Function):
                 deriv = from_memory_order(dequantize_rows(q, start, stop), ctx.perm)
                 torch.mul(grad[start:stop], deriv, out=grad_in[start:stop])
                 del deriv
-            return grad_in, None, None, None, None, None
+            return grad_in, None, None, None, None, None, None
         deriv = from_memory_order(restore(q), ctx.perm)
         if ctx.in_dtype == torch.float64:
             deriv = deriv.double()
@@ -339,7 +342,7 @@ class DerivativeActivationFunction(torch.autograd.Function):
             grad_in = deriv.mul_(grad)
         else:
             grad_in = grad * deriv
-        return grad_in.to(ctx.in_dtype), None, None, None, None, None
+        return grad_in.to(ctx.in_dtype), None, None, None, None, None, None
 
 
 class TracedDerivativeActivation(torch.autograd.Function):
@@ -366,46 +369,57 @@ class TracedDerivativeActivation(torch.autograd.Function):
 
 
 def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConfig],
-                 bits: OptBits, inplace: bool = False) -> Tensor:
+                 bits: OptBits, inplace: bool = False,
+                 derivative: Optional[Tensor] = None) -> Tensor:
+    """``derivative``: f'(x) as :func:`activation_derivative` makes it, already made from this
+    very ``x`` (a precision strategy computes it to choose the widths, ``precision.stats``),
+    so that the Function does not compute it a second time."""
     qconfig = LayerQConfig() if qconfig is None else qconfig
-    return DerivativeActivationFunction.apply(x, op, params, qconfig, bits, inplace)
+    return DerivativeActivationFunction.apply(x, op, params, qconfig, bits, inplace, derivative)
 
 
 def gelu(x: Tensor, approximate: str = "none", qconfig: Optional[LayerQConfig] = None,
-         bits: OptBits = None) -> Tensor:
+         bits: OptBits = None,
+         derivative: Optional[Tensor] = None) -> Tensor:
     """GELU ('none' or 'tanh') saving compressed GELU'(x)."""
     if approximate not in ("none", "tanh"):
         return F.gelu(x, approximate=approximate)  # raises torch's own error
-    return _deriv_apply("gelu", x, (approximate,), qconfig, bits)
+    return _deriv_apply("gelu", x, (approximate,), qconfig, bits, derivative=derivative)
 
 
 def silu(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
-         bits: OptBits = None) -> Tensor:
+         bits: OptBits = None,
+         derivative: Optional[Tensor] = None) -> Tensor:
     """SiLU saving compressed SiLU'(x) = s(x) (1 + x (1 - s(x)))."""
-    return _deriv_apply("silu", x, (), qconfig, bits, inplace)
+    return _deriv_apply("silu", x, (), qconfig, bits, inplace, derivative=derivative)
 
 
-def sigmoid(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
+def sigmoid(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: OptBits = None,
+            derivative: Optional[Tensor] = None) -> Tensor:
     """Sigmoid saving compressed y (1 - y)."""
-    return _deriv_apply("sigmoid", x, (), qconfig, bits)
+    return _deriv_apply("sigmoid", x, (), qconfig, bits, derivative=derivative)
 
 
-def tanh(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
+def tanh(x: Tensor, qconfig: Optional[LayerQConfig] = None, bits: OptBits = None,
+         derivative: Optional[Tensor] = None) -> Tensor:
     """Tanh saving compressed 1 - y^2."""
-    return _deriv_apply("tanh", x, (), qconfig, bits)
+    return _deriv_apply("tanh", x, (), qconfig, bits, derivative=derivative)
 
 
 def elu(x: Tensor, alpha: float = 1.0, inplace: bool = False,
-        qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
+        qconfig: Optional[LayerQConfig] = None, bits: OptBits = None,
+        derivative: Optional[Tensor] = None) -> Tensor:
     """ELU saving compressed ELU'(x) (computed before an in-place update, so any alpha works
     in place, unlike torch's result-based in-place backward)."""
-    return _deriv_apply("elu", x, (float(alpha),), qconfig, bits, inplace)
+    return _deriv_apply("elu", x, (float(alpha),), qconfig, bits, inplace, derivative=derivative)
 
 
 def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0,
-             qconfig: Optional[LayerQConfig] = None, bits: OptBits = None) -> Tensor:
+             qconfig: Optional[LayerQConfig] = None, bits: OptBits = None,
+             derivative: Optional[Tensor] = None) -> Tensor:
     """Softplus saving compressed Softplus'(x) (1 above the linear threshold, as torch)."""
-    return _deriv_apply("softplus", x, (float(beta), float(threshold)), qconfig, bits)
+    return _deriv_apply("softplus", x, (float(beta), float(threshold)), qconfig, bits,
+                        derivative=derivative)
 
 
 def hardswish(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,

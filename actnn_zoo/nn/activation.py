@@ -25,6 +25,13 @@ class _QAct(QModule):
         """Compress only when something is saved: training forward that autograd records."""
         return self.quantizing() and x.requires_grad
 
+    def _derivative(self, x: Tensor) -> Optional[Tensor]:
+        """f'(x) that a precision strategy made from this very ``x`` in its pre-hook (to choose
+        the per-sample widths) and handed on, so that it is not computed twice; else None.
+        Taken once: the hand-off holds a tensor the size of ``x`` until this call."""
+        slot = self.__dict__.get("_az_thread_bits")  # precision.base.WIDTHS_ATTR
+        return None if slot is None else slot.take_derivative(x)
+
     def _traced(self, op: str, x: Tensor, params: Tuple = (), inplace: bool = False
                 ) -> Optional[Tensor]:
         """A smooth activation's traced form while torch.compile traces a training forward
@@ -121,7 +128,8 @@ class QGELU(_QAct, nn.GELU):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.gelu(input, self.approximate, self.qconfig, self.bits_for(input))
+            return A.gelu(input, self.approximate, self.qconfig, self.bits_for(input),
+                          self._derivative(input))
         traced = self._traced("gelu", input, (self.approximate,))
         return self.plain_forward(nn.GELU, input) if traced is None else traced
 
@@ -137,7 +145,8 @@ class QSiLU(_QAct, nn.SiLU):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.silu(input, self.inplace, self.qconfig, self.bits_for(input))
+            return A.silu(input, self.inplace, self.qconfig, self.bits_for(input),
+                          self._derivative(input))
         traced = self._traced("silu", input, (), self.inplace)
         return self.plain_forward(nn.SiLU, input) if traced is None else traced
 
@@ -153,7 +162,7 @@ class QSigmoid(_QAct, nn.Sigmoid):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.sigmoid(input, self.qconfig, self.bits_for(input))
+            return A.sigmoid(input, self.qconfig, self.bits_for(input), self._derivative(input))
         traced = self._traced("sigmoid", input)
         return nn.Sigmoid.forward(self, input) if traced is None else traced
 
@@ -169,7 +178,7 @@ class QTanh(_QAct, nn.Tanh):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.tanh(input, self.qconfig, self.bits_for(input))
+            return A.tanh(input, self.qconfig, self.bits_for(input), self._derivative(input))
         traced = self._traced("tanh", input)
         return nn.Tanh.forward(self, input) if traced is None else traced
 
@@ -186,7 +195,8 @@ class QELU(_QAct, nn.ELU):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.elu(input, self.alpha, self.inplace, self.qconfig, self.bits_for(input))
+            return A.elu(input, self.alpha, self.inplace, self.qconfig, self.bits_for(input),
+                         self._derivative(input))
         traced = self._traced("elu", input, (float(self.alpha),), self.inplace)
         return nn.ELU.forward(self, input) if traced is None else traced
 
@@ -204,7 +214,7 @@ class QSoftplus(_QAct, nn.Softplus):
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
             return A.softplus(input, self.beta, self.threshold, self.qconfig,
-                              self.bits_for(input))
+                              self.bits_for(input), self._derivative(input))
         traced = self._traced("softplus", input, (float(self.beta), float(self.threshold)))
         return nn.Softplus.forward(self, input) if traced is None else traced
 

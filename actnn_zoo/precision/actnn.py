@@ -81,10 +81,10 @@ from torch import Tensor, nn
 from .._compile import EagerHook
 from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
-from .base import PrecisionStrategy, TrackedLayer, set_sample_bits
+from .base import WIDTHS_ATTR, PrecisionStrategy, TrackedLayer, set_sample_bits
 from .readback import DeferredRead
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
-from .stats import (LayerKind, LayerStats, layer_kind, range_statistic, sample_grad_sq,
+from .stats import (LayerKind, LayerStats, layer_kind, sample_grad_sq, saved_statistic,
                     same_tensor)
 
 __all__ = ["ActNNStrategy"]
@@ -225,8 +225,12 @@ class _Watched:
             self._record(fw, call)
             return None
         fan = self.kind.fan(module, rows)
-        score = range_statistic(self.kind.saved(module, rows),
-                                module.qconfig.group_size)  # type: ignore[attr-defined]
+        score, made = saved_statistic(self.kind, module, rows,
+                                      module.qconfig.group_size)  # type: ignore[attr-defined]
+        if made is not None:  # f'(x): the layer uses it instead of making it again
+            slot = module.__dict__.get(WIDTHS_ATTR)
+            if slot is not None:
+                slot.hand_derivative(x, made)
         exponent = self.exponent
         expected = score if exponent is None else score.pow(exponent)
         extra = extra_bits(budget, n)  # host number: budget is a host float

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence,
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from .._torch_private import tensor_version
+
 if TYPE_CHECKING:
     from ..config import QuantConfig
     from ..nn._base import QModule
@@ -50,6 +52,23 @@ class ThreadWidths(threading.local):
     """
 
     bits: Union[Tensor, Any, None] = None  # class default: what a new thread sees
+    # (input, its version, f'(input)): a derivative the strategy made for this forward's
+    # input (hand_derivative), taken by the layer (take_derivative)
+    derivative: Optional[Tuple[Tensor, int, Tensor]] = None
+
+    def hand_derivative(self, x: Tensor, derivative: Optional[Tensor]) -> None:
+        """The layer's next forward on this thread may use ``derivative`` (made from ``x``
+        as it is now) instead of computing it again; None withdraws an earlier one."""
+        self.derivative = None if derivative is None else (x, tensor_version(x), derivative)
+
+    def take_derivative(self, x: Tensor) -> Optional[Tensor]:
+        """The handed derivative when it was made from this very ``x``, unchanged since (the
+        same object at the same version); else None. Either way the hand-off is cleared."""
+        held = self.derivative
+        if held is None:
+            return None
+        self.derivative = None
+        return held[2] if held[0] is x and held[1] == tensor_version(x) else None
 
     def __reduce__(self):
         return (type(self), ())

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..functional._saving import produce_bounds
 from ..functional.activation import activation_derivative
 from ..functional.softmax import softmax_dim
 from ..nn import activation as qact
@@ -28,7 +29,8 @@ from ..quant.api import SampleBits, as_rows, no_graph
 from ..quant.backend import extension
 from .base import set_sample_bits
 
-__all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq"]
+__all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq",
+           "saved_statistic"]
 
 
 @dataclass
@@ -184,25 +186,8 @@ def _softmax_fan(mod: nn.Module, rows: Tensor) -> float:
     return float(rows.shape[softmax_dim(rows.dim(), mod.dim)])  # type: ignore[attr-defined]
 
 
-def _weight_trains(mod: nn.Module, x: Tensor) -> bool:
-    """conv / linear compress their input only when the weight needs a gradient."""
-    return bool(mod.weight.requires_grad)  # type: ignore[attr-defined]
-
-
-def _input_or_affine_trains(mod: nn.Module, x: Tensor) -> bool:
-    """Norms read the input back for the input gradient or the weight gradient."""
-    w = getattr(mod, "weight", None)
-    return x.requires_grad or (w is not None and w.requires_grad)
-
-
 def _input_trains(mod: nn.Module, x: Tensor) -> bool:
     return x.requires_grad
-
-
-def _uses_function(mod: nn.Module, x: Tensor) -> bool:
-    """Mirror of nn/linear.py's use_function without its checks: something needs a grad."""
-    params = (getattr(mod, "weight", None), getattr(mod, "bias", None))
-    return x.requires_grad or any(p is not None and p.requires_grad for p in params)
 
 
 _DERIV = {
@@ -256,11 +241,18 @@ class LayerKind:
 
 
 def _weight_fn(m: nn.Module, x: Tensor) -> bool:
-    return _uses_function(m, x) and _weight_trains(m, x)
+    """conv / linear compress their input only when the weight needs a gradient (then their
+    Function runs, as in nn/linear.py's use_function)."""
+    return bool(m.weight.requires_grad)  # type: ignore[attr-defined]
 
 
 def _norm_fn(m: nn.Module, x: Tensor) -> bool:
-    return _uses_function(m, x) and _input_or_affine_trains(m, x)
+    """Norms read the input back for the input gradient or the weight gradient (either one
+    needed also makes their Function run)."""
+    if x.requires_grad:
+        return True
+    w = getattr(m, "weight", None)
+    return w is not None and w.requires_grad
 
 
 _CONV = LayerKind("conv", _conv_batched, same_tensor, _weight_fn, _conv_fan, modelled=True)
@@ -274,6 +266,28 @@ _KINDS: Tuple[Tuple[type, LayerKind], ...] = (
     (qnorm._QBatchNorm, _NORM), (qnorm.QLayerNorm, _NORM), (qnorm.QGroupNorm, _NORM),
     *((cls, _ACT) for cls in _DERIV), (QSoftmax, _SOFTMAX),
 )
+
+
+def saved_statistic(kind: LayerKind, mod: nn.Module, rows: Tensor, group_size: int
+                    ) -> Tuple[Tensor, Optional[Tensor]]:
+    """(:func:`range_statistic` of the tensor ``mod`` compresses for input ``rows``, that
+    tensor when it exists only for this and the layer may use it, else None).
+
+    An activation's f'(x) is made here from the input, as the layer's Function makes it: the
+    layer is handed it (``ThreadWidths.hand_derivative``) instead of computing it a second
+    time. Where the Function makes f'(x) a chunk of samples at a time (``compress_produced``:
+    a large map, whole it would set the forward's peak) this does too, and hands nothing on.
+    The statistic is per row, so it is the same either way."""
+    if kind.saved is same_tensor:
+        return range_statistic(rows, group_size), None
+    if kind.saved is _derivative:
+        bounds = produce_bounds(rows.shape)
+        if bounds is not None:
+            return torch.cat([range_statistic(_derivative(mod, rows[a:b]), group_size)
+                              for a, b in zip(bounds[:-1], bounds[1:])]), None
+        d = _derivative(mod, rows)
+        return range_statistic(d, group_size), d
+    return range_statistic(kind.saved(mod, rows), group_size), None
 
 
 def layer_kind(module: nn.Module) -> Optional[LayerKind]:
