@@ -21,11 +21,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._session import active_session
 from ..config import LayerQConfig
-from ..quant import Bits
+from ..quant import Bits, QuantizedTensor
+from ..quant.backend import extension
+from ..quant.division import Payload
 from ._autocast import no_autocast
-from ._saving import (compress, dequantize_rows, load, load_codes, restore, sample_chunks, save,
-                      save_codes)
+from ._saving import (CHUNK_MIN_BYTES, compress, dequantize_rows, load, load_codes, restore,
+                      sample_chunks, save, save_codes)
+
+# The compiled autograd node of linear (cpp_ext/qlinear.cpp), None without the extension (the
+# reference backend) or in a build older than this file; on CUDA only in a build with CUDA.
+_QLINEAR = getattr(extension(), "qlinear", None)
+_QLINEAR_CUDA = bool(getattr(extension(), "has_cuda", False))
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # float64 is compressed through a float32 copy (``_saving.compress``); see check_compressible.
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -128,18 +137,44 @@ def first_order_only(layer: str) -> None:
 
 
 # -- Linear -------------------------------------------------------------------------------------
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], qconfig: LayerQConfig,
+           bits: Bits) -> Tensor:
+    """The training forward of a Q-linear layer: ``F.linear`` whose backward reads ``x``
+    compressed. In the common case -- one width, the plain quantizer, one dtype and no
+    autocast, the input decoded whole, a weight that needs its gradient -- the autograd node is
+    the compiled ``_C.qlinear`` (no Python in backward, ~50-70 us less host work per call);
+    otherwise :class:`LinearFunction`. Both save the same codes and give the same gradients."""
+    if (_QLINEAR is not None and isinstance(bits, int) and weight.requires_grad
+            and type(x) is Tensor and x.dtype in _FUSED_DTYPES and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and qconfig.compressor == "quant"
+            and qconfig.transform == "none"
+            and (qconfig.backward_chunks <= 1 or x.numel() * 4 < CHUNK_MIN_BYTES)
+            and (x.device.type == "cpu" or _QLINEAR_CUDA)
+            and not torch.is_autocast_enabled(x.device.type)):
+        q = compress(x, qconfig, bits, maps=False)
+        if type(q) is QuantizedTensor and not q.mixed and q.transform == "none":
+            session = active_session()
+            if session is not None:  # what is saved is final: tier 3 must not touch it
+                session.store.keep(q.data, q.lo, q.step, weight)
+            return _QLINEAR(x, weight, bias, q.data, q.lo, q.step, q.bits, q.group_size)
+        return LinearFunction.apply(x, weight, bias, qconfig, bits, q)  # e.g. ReLU codes
+    return LinearFunction.apply(x, weight, bias, qconfig, bits)
+
+
 class LinearFunction(torch.autograd.Function):
-    """y = x W^T + b, saving compress(x) (only when W needs a gradient) and W (a Parameter)."""
+    """y = x W^T + b, saving compress(x) (only when W needs a gradient) and W (a Parameter).
+    ``saved``: compress(x) when the caller made it already."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], qconfig: LayerQConfig,
-                bits: Bits) -> Tensor:
+                bits: Bits, saved: Optional[Payload] = None) -> Tensor:
         out = F.linear(x, weight, bias)  # autocast applies here exactly as for nn.Linear
         ctx.dtypes = (x.dtype, weight.dtype, dtype_of(bias))
         ctx.compute_dtype = out.dtype
         ctx.chunks = qconfig.backward_chunks
-        save(ctx, compress(x, qconfig, bits, maps=False) if ctx.needs_input_grad[1] else None,
-             weight)
+        if saved is None and ctx.needs_input_grad[1]:
+            saved = compress(x, qconfig, bits, maps=False)
+        save(ctx, saved, weight)
         return out
 
     @staticmethod
@@ -150,7 +185,7 @@ class LinearFunction(torch.autograd.Function):
         def decode(rows: Optional[Tuple[int, int]] = None) -> Tensor:
             return restore(x_q) if rows is None else dequantize_rows(x_q, *rows)
 
-        return linear_backward(ctx, grad_out, weight, decode, chunks) + (None, None)
+        return linear_backward(ctx, grad_out, weight, decode, chunks) + (None, None, None)
 
 
 class TracedLinearFunction(torch.autograd.Function):

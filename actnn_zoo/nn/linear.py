@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ..config import LayerQConfig
 from .._compile import inline_compiling
-from ..functional.linear import LinearFunction, check_compressible, traced_linear
+from ..functional.linear import check_compressible, linear, traced_linear
 from ._base import QModule
 
 
@@ -64,4 +64,4 @@ class QLinear(QModule, nn.Linear):
             if width is None:
                 return super().forward(input)
             return traced_linear(input, weight, bias, *width)
-        return LinearFunction.apply(input, weight, bias, self.qconfig, self.bits_for(input))
+        return linear(input, weight, bias, self.qconfig, self.bits_for(input))

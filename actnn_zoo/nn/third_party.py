@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
-from ..functional.linear import LinearFunction, traced_linear
+from ..functional.linear import linear, traced_linear
 from ..functional.norm import LayerNormFunction
 from ._base import QModule
 from .activation import QGELU, QMish, QSiLU
@@ -77,7 +77,7 @@ class _ForeignOnly(QModule):
 class QHFConv1D(_ForeignOnly, nn.Module):
     """Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layer, weight stored
     [in, out]: ``y = addmm(b, x, W)``) saving its input compressed, like QLinear: the same
-    :class:`~actnn_zoo.functional.linear.LinearFunction` with ``W.t()`` (a view, so the
+    :func:`~actnn_zoo.functional.linear.linear` with ``W.t()`` (a view, so the
     Parameter, its shape and the state_dict are unchanged). Without it GPT-2's addmm inputs
     are left to capture tier 3."""
 
@@ -91,7 +91,7 @@ class QHFConv1D(_ForeignOnly, nn.Module):
             if width is None:
                 return self.plain_forward(None, x)
             return traced_linear(x, weight.t(), bias, *width)
-        return LinearFunction.apply(x, weight.t(), bias, self.qconfig, self.bits_for(x))
+        return linear(x, weight.t(), bias, self.qconfig, self.bits_for(x))
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, " + QModule.extra_repr(self)
