@@ -24,7 +24,7 @@ cpu_sources += ["cpp_ext/sparse_cpu.cpp"]
 cpu_sources += ["cpp_ext/norm_cpu.cpp"]
 cpu_sources += ["cpp_ext/variance_cpu.cpp"]
 cpu_sources += ["cpp_ext/attention_dropout_cpu.cpp"]
-cpu_sources += ["cpp_ext/qlinear.cpp"]
+cpu_sources += ["cpp_ext/qlayers.cpp"]
 cuda_sources += ["cpp_ext/pack_compare_cuda.cu"]
 
 # torch.get_autocast_dtype(device_type) needs 2.4. The compiled extension runs only with the

@@ -58,4 +58,13 @@ def grad_nodes(out: torch.Tensor) -> set:
         if node is not None and node not in nodes:
             nodes.add(node)
             todo += [f for f, _ in node.next_functions]
-    return {type(n).__name__ for n in nodes}
+    return {_name(n) for n in nodes}
+
+
+def _name(node) -> str:
+    """A Python node's class name; a C++ custom node's Function (``QLinearFunction`` of
+    ``torch::autograd::CppNode<actnn_zoo::(anonymous namespace)::QLinearFunction>``)."""
+    full = node.name()
+    if "CppNode<" in full:
+        return full.rsplit("::", 1)[-1].rstrip(">")
+    return type(node).__name__

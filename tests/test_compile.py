@@ -78,8 +78,8 @@ def test_default_trains_compiled_and_eager_in_turn(eager_steps):
     # a compiled step is one graph (the traced forms inside it); an eager one runs the
     # Q-layers' own Functions
     assert grad_nodes(compiled(x)) == {"CompiledFunctionBackward", "AccumulateGrad"}
-    assert {"ConvFunctionBackward", "BatchNormFunctionBackward",
-            "LinearFunctionBackward"} <= grad_nodes(model(x))
+    assert {"QConvFunction", "BatchNormFunctionBackward",
+            "QLinearFunction"} <= grad_nodes(model(x))
 
 
 def test_compiled_gradients_match_eager_fp32_at_8_bits():

@@ -26,11 +26,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import Bits
+from ..quant import Bits, QuantizedTensor
+from ..quant.backend import extension
+from ..quant.division import Payload
 from ._autocast import no_autocast
 from ._saving import (compress, dequantize_rows, large_input, load, load_codes, restore,
                       sample_chunks, save, save_codes)
-from .linear import cast, dtype_of, guard_second_order, memory_format_of
+from .linear import (cast, compiled_node_applies, dtype_of, guard_second_order, keep_saved,
+                     memory_format_of)
+
+# The compiled autograd node of a plain convolution (cpp_ext/qlayers.cpp), None without it.
+_QCONV = getattr(extension(), "qconv", None)
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -163,20 +169,42 @@ def _remember(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tenso
     ctx.chunks = chunks
 
 
+def conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
+         qconfig: LayerQConfig, bits: Bits) -> Tensor:
+    """The training forward of a Q-conv layer on a batched input: ``spec.run`` whose backward
+    reads ``x`` compressed. A plain convolution (not transposed, numeric zero padding) where
+    ``linear.compiled_node_applies`` -- the common case -- gets the compiled autograd node
+    ``_C.qconv`` (no Python in backward); anything else :class:`ConvFunction`. Both save the
+    same codes and give the same gradients."""
+    if (_QCONV is not None and not spec.transposed and spec.pad_mode == "zeros"
+            and not isinstance(spec.padding, str)
+            and compiled_node_applies(x, weight, bias, qconfig, bits)):
+        q = compress(x, qconfig, bits, maps=True)
+        if type(q) is not QuantizedTensor or q.transform != "none":
+            return ConvFunction.apply(x, weight, bias, spec, qconfig, bits, q)  # ReLU codes
+        keep_saved(q, weight)
+        return _QCONV(x, weight, bias, q.data, q.lo, q.step, q.row_bits, q.offsets, q.bits or 0,
+                      q.group_size, list(spec.stride), list(spec.padding), list(spec.dilation),
+                      spec.groups, large_input(q))
+    return ConvFunction.apply(x, weight, bias, spec, qconfig, bits)
+
+
 class ConvFunction(torch.autograd.Function):
     """Saves compress(x) (only when the weight needs a gradient) and the weight (a Parameter).
 
     Inputs must be batched (N, C, *spatial); the module unsqueezes unbatched ones. With
     padding_mode != 'zeros' the unpadded input is compressed and re-padded in backward.
+    ``saved``: compress(x) when the caller made it already.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
-                qconfig: LayerQConfig, bits: Bits) -> Tensor:
+                qconfig: LayerQConfig, bits: Bits, saved: Optional[Payload] = None) -> Tensor:
         out = spec.run(x, weight, bias)  # autocast applies here exactly as in the torch module
         _remember(ctx, x, weight, bias, out, spec, qconfig.backward_chunks)
-        save(ctx, compress(x, qconfig, bits, maps=True) if ctx.needs_input_grad[1] else None,
-             weight)
+        if saved is None and ctx.needs_input_grad[1]:
+            saved = compress(x, qconfig, bits, maps=True)
+        save(ctx, saved, weight)
         return out
 
     @staticmethod
@@ -188,7 +216,7 @@ class ConvFunction(torch.autograd.Function):
             return restore(x_q) if rows is None else dequantize_rows(x_q, *rows)
 
         return conv_backward(ctx, grad_out, weight, decode, chunks, large_input(x_q)) + (
-            None, None, None)
+            None, None, None, None)
 
 
 class TracedConvFunction(torch.autograd.Function):

@@ -23,17 +23,18 @@ from torch import Tensor
 
 from .._session import active_session
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor
+from ..quant import Bits, QuantizedTensor, SampleBits
 from ..quant.backend import extension
 from ..quant.division import Payload
 from ._autocast import no_autocast
-from ._saving import (CHUNK_MIN_BYTES, compress, dequantize_rows, load, load_codes, restore,
-                      sample_chunks, save, save_codes)
+from . import _saving
+from ._saving import (compress, dequantize_rows, load, load_codes, restore, sample_chunks, save,
+                      save_codes)
 
-# The compiled autograd node of linear (cpp_ext/qlinear.cpp), None without the extension (the
+# The compiled autograd node of linear (cpp_ext/qlayers.cpp), None without the extension (the
 # reference backend) or in a build older than this file; on CUDA only in a build with CUDA.
 _QLINEAR = getattr(extension(), "qlinear", None)
-_QLINEAR_CUDA = bool(getattr(extension(), "has_cuda", False))
+_CUDA_NODES = bool(getattr(extension(), "has_cuda", False))
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # float64 is compressed through a float32 copy (``_saving.compress``); see check_compressible.
@@ -140,25 +141,41 @@ def first_order_only(layer: str) -> None:
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], qconfig: LayerQConfig,
            bits: Bits) -> Tensor:
     """The training forward of a Q-linear layer: ``F.linear`` whose backward reads ``x``
-    compressed. In the common case -- one width, the plain quantizer, one dtype and no
-    autocast, the input decoded whole, a weight that needs its gradient -- the autograd node is
-    the compiled ``_C.qlinear`` (no Python in backward, ~50-70 us less host work per call);
-    otherwise :class:`LinearFunction`. Both save the same codes and give the same gradients."""
-    if (_QLINEAR is not None and isinstance(bits, int) and weight.requires_grad
-            and type(x) is Tensor and x.dtype in _FUSED_DTYPES and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and qconfig.compressor == "quant"
-            and qconfig.transform == "none"
-            and (qconfig.backward_chunks <= 1 or x.numel() * 4 < CHUNK_MIN_BYTES)
-            and (x.device.type == "cpu" or _QLINEAR_CUDA)
-            and not torch.is_autocast_enabled(x.device.type)):
+    compressed. Where :func:`compiled_node_applies` -- the common case -- the autograd node is
+    the compiled ``_C.qlinear`` (no Python in backward); otherwise :class:`LinearFunction`.
+    Both save the same codes and give the same gradients."""
+    if _QLINEAR is not None and compiled_node_applies(x, weight, bias, qconfig, bits):
         q = compress(x, qconfig, bits, maps=False)
-        if type(q) is QuantizedTensor and not q.mixed and q.transform == "none":
-            session = active_session()
-            if session is not None:  # what is saved is final: tier 3 must not touch it
-                session.store.keep(q.data, q.lo, q.step, weight)
-            return _QLINEAR(x, weight, bias, q.data, q.lo, q.step, q.bits, q.group_size)
-        return LinearFunction.apply(x, weight, bias, qconfig, bits, q)  # e.g. ReLU codes
+        if type(q) is not QuantizedTensor or q.transform != "none":
+            return LinearFunction.apply(x, weight, bias, qconfig, bits, q)  # e.g. ReLU codes
+        keep_saved(q, weight)
+        return _QLINEAR(x, weight, bias, q.data, q.lo, q.step, q.row_bits, q.offsets,
+                        q.bits or 0, q.group_size)
     return LinearFunction.apply(x, weight, bias, qconfig, bits)
+
+
+def compiled_node_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                          qconfig: LayerQConfig, bits: Bits) -> bool:
+    """Whether a layer's compiled autograd node (cpp_ext/qlayers.cpp) computes what its Python
+    Function would: the plain quantizer (one width or per-sample widths), a weight that needs
+    its gradient (else nothing is saved), one floating dtype and no autocast (no casts to
+    track), the input decoded whole (``backward_chunks`` off or a small input), a plain
+    tensor on a device the extension has kernels for."""
+    return (weight.requires_grad and type(x) is Tensor and x.dtype in _FUSED_DTYPES
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and qconfig.compressor == "quant" and qconfig.transform == "none"
+            and isinstance(bits, (int, SampleBits))
+            and (qconfig.backward_chunks <= 1 or x.numel() * 4 < _saving.CHUNK_MIN_BYTES)
+            and (x.device.type == "cpu" or _CUDA_NODES)
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+def keep_saved(q: QuantizedTensor, weight: Tensor) -> None:
+    """Inside a capture session, tell the store that a compiled node saves ``q`` and
+    ``weight`` on purpose (tier 3 passes them through, as for a Python Function's save)."""
+    session = active_session()
+    if session is not None:
+        session.store.keep(*q.tensors(), weight)
 
 
 class LinearFunction(torch.autograd.Function):

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
-from ..functional.conv import ConvFunction, ConvSpec, TracedConvFunction
+from ..functional.conv import ConvSpec, TracedConvFunction, conv
 from ._base import QModule
 from .linear import traced_width, use_function
 
@@ -33,8 +33,7 @@ def _run(module: QModule, x: Tensor, spec: ConvSpec,
     if width is not None:
         out = TracedConvFunction.apply(x, module.weight, module.bias, spec, *width)
     else:
-        out = ConvFunction.apply(x, module.weight, module.bias, spec, module.qconfig,
-                                 module.bits_for(x))
+        out = conv(x, module.weight, module.bias, spec, module.qconfig, module.bits_for(x))
     return out.squeeze(0) if unbatched else out
 
 

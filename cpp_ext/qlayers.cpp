@@ -1,0 +1,336 @@
+// The autograd nodes of QLinear and QConv in C++: the forward is torch's op, the backward
+// decodes the saved input codes and makes the gradients, with no Python on the way.
+//
+// Why: a Python autograd Function costs the host tens of microseconds per call on top of its
+// ops (apply, ctx, the saved-tensor bookkeeping, the Python backward node and its glue), as
+// much as the layer's own work at small sizes, where a GPU step is host-bound (docs/design.md,
+// "Host cost"). actnn_zoo/functional/linear.py and conv.py take these nodes in the common case
+// -- the plain quantizer (one width or per-sample widths), one dtype, no autocast, the input
+// decoded whole; for conv also a plain (not transposed) convolution with numeric zero padding
+// -- and their Python Functions otherwise. Both compute the same gradients from the same codes
+// (tests/test_qlayer_nodes.py compares them bit for bit).
+//
+// The codes are made in Python (the capture store may answer from its cache) and saved here
+// with the weight through ctx->save_for_backward, so saved-tensor hooks see them as they see
+// the Python Functions' saves, and the weight keeps autograd's in-place check.
+#include "kernels.h"
+
+#include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/extension.h>
+
+#include <optional>
+
+namespace actnn_zoo {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
+
+// Backward computes in the forward's dtype whatever autocast state the caller's thread has
+// (the Python Functions' no_autocast).
+using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
+
+// What forward saves of the input's codes: data, lo, step [, row widths, row offsets] first in
+// save_for_backward, the rest in saved_data.
+void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& data,
+                const at::Tensor& lo, const at::Tensor& step, const OptTensor& row_bits,
+                const OptTensor& offsets, int64_t bits, int64_t group_size,
+                const at::Tensor& weight) {
+  const bool mixed = row_bits.has_value() && row_bits->defined();
+  TORCH_CHECK_VALUE(mixed == (offsets.has_value() && offsets->defined()),
+                    "row_bits and offsets come together (per-sample widths) or not at all");
+  if (mixed) {
+    ctx->save_for_backward({data, lo, step, weight, *row_bits, *offsets});
+  } else {
+    ctx->save_for_backward({data, lo, step, weight});
+  }
+  ctx->saved_data["mixed"] = mixed;
+  ctx->saved_data["shape"] = x.sizes();
+  ctx->saved_data["dtype"] = x.scalar_type();
+  ctx->saved_data["bits"] = bits;
+  ctx->saved_data["group_size"] = group_size;
+  ctx->saved_data["x_grad"] = x.requires_grad();  // (needs_input_grad is per backward call)
+}
+
+// The decoded input: the actnn_zoo::dequantize_uniform operator for one width, the general
+// kernel with the saved row widths and offsets for per-sample widths.
+at::Tensor decode(AutogradContext* ctx, const variable_list& saved) {
+  const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
+  const at::ScalarType dtype = ctx->saved_data["dtype"].toScalarType();
+  const int64_t group_size = ctx->saved_data["group_size"].toInt();
+  if (!ctx->saved_data["mixed"].toBool()) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("actnn_zoo::dequantize_uniform", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, c10::SymIntArrayRef,
+                                                 int64_t, int64_t, at::ScalarType)>();
+    return op.call(saved[0], saved[1], saved[2], c10::fromIntArrayRefSlow(shape),
+                   ctx->saved_data["bits"].toInt(), group_size, dtype);
+  }
+  at::Tensor out = at::empty(shape, saved[0].options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  const auto [n, d] = contract_rows(out.sizes());
+  at::Tensor rows = out.view({n, d});
+  if (out.device().is_cpu()) {
+    dequantize_cpu(saved[0], saved[1], saved[2], saved[4], saved[5], group_size, rows);
+    return out;
+  }
+#ifdef ACTNN_ZOO_CUDA
+  if (out.is_cuda()) {
+    const c10::DeviceGuard guard(out.device());
+    dequantize_cuda(saved[0], saved[1], saved[2], saved[4], saved[5], group_size, rows);
+    return out;
+  }
+#endif
+  TORCH_CHECK(false, "actnn_zoo: no dequantize kernel for tensors on ", out.device());
+  return out;
+}
+
+// Identity on a weight gradient made inside a create_graph backward when the input required a
+// gradient: its derivative in the input would need the uncompressed input, so differentiating
+// it raises (as the Python Functions' _SecondOrderGuard does).
+struct SecondOrderGuard : public torch::autograd::Function<SecondOrderGuard> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& value,
+                            const at::Tensor& anchor, const std::string& layer) {
+    ctx->saved_data["layer"] = layer;
+    return value.clone();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, "actnn_zoo: differentiating the ", ctx->saved_data["layer"].toStringRef(),
+        " weight gradient again (double backward) is not supported: its derivative with "
+        "respect to the layer input needs the uncompressed input, which is not kept. Use the "
+        "torch layer (to_float()) or set qconfig enabled=False for this layer.");
+    return {};
+  }
+};
+
+at::Tensor guard_second_order(AutogradContext* ctx, at::Tensor gw, const at::Tensor& weight,
+                              const char* layer) {
+  if (gw.defined() && ctx->saved_data["x_grad"].toBool() && at::GradMode::is_enabled()) {
+    return SecondOrderGuard::apply(gw, weight, std::string(layer));
+  }
+  return gw;
+}
+
+// -- Linear ---------------------------------------------------------------------------------
+struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const OptTensor& bias, const at::Tensor& data, const at::Tensor& lo,
+                            const at::Tensor& step, const OptTensor& row_bits,
+                            const OptTensor& offsets, int64_t bits, int64_t group_size) {
+    RECORD_USER_SCOPE("actnn_zoo::qlinear");
+    at::Tensor out = at::linear(x, weight, bias);
+    save_codes(ctx, x, data, lo, step, row_bits, offsets, bits, group_size, weight);
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_USER_SCOPE("actnn_zoo::qlinear_backward");
+    const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    // next edges: x, weight, [bias,] data, lo, step [, row_bits, offsets]
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = has_bias && ctx->needs_input_grad(2);
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& weight = saved[3];
+    const at::Tensor& g = grads[0];
+    const at::Tensor g2 = g.reshape({-1, g.size(-1)});
+    at::Tensor gx, gw, gb;
+    if (need_w) {  // first: the decoded input is freed before the input gradient exists
+      at::Tensor x = decode(ctx, saved);
+      const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+      // A weight given as the transpose of a contiguous (in, out) Parameter (GPT-2's Conv1D)
+      // gets its gradient in that layout, (x^T g)^T, not as a transposed copy.
+      const bool by_rows = weight.dim() == 2 && weight.stride(0) == 1 && weight.size(1) > 1 &&
+                           weight.stride(1) == weight.size(0);
+      gw = by_rows ? x2.t().matmul(g2).t() : g2.t().matmul(x2);
+      gw = guard_second_order(ctx, gw, weight, "QLinear");
+    }
+    if (need_x) gx = g.matmul(weight);
+    if (need_b) gb = g2.sum(0);
+    return {gx, gw, gb, {}, {}, {}, {}, {}, {}, {}};
+  }
+};
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                   const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                   const OptTensor& row_bits, const OptTensor& offsets, int64_t bits,
+                   int64_t group_size) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
+                    "qlinear: x ", x.sizes(), " does not fit weight ", weight.sizes());
+  TORCH_CHECK_VALUE(lo.dim() == 2 && step.sizes() == lo.sizes(),
+                    "qlinear: lo and step must be (rows, groups) alike, got ", lo.sizes(),
+                    " and ", step.sizes());
+  return QLinearFunction::apply(x, weight, bias, data, lo, step, row_bits, offsets, bits,
+                                group_size);
+}
+
+// -- Convolution ----------------------------------------------------------------------------
+at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const OptTensor& b,
+                        at::IntArrayRef stride, at::IntArrayRef padding,
+                        at::IntArrayRef dilation, int64_t groups) {
+  switch (x.dim()) {  // what F.conv1d/2d/3d call
+    case 3: return at::conv1d(x, w, b, stride, padding, dilation, groups);
+    case 4: return at::conv2d(x, w, b, stride, padding, dilation, groups);
+    case 5: return at::conv3d(x, w, b, stride, padding, dilation, groups);
+  }
+  TORCH_CHECK_VALUE(false, "qconv: the input must be batched (N, C, *spatial) with 1-3 "
+                    "spatial dims, got ", x.sizes());
+  return at::Tensor();
+}
+
+struct QConvFunction : public torch::autograd::Function<QConvFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const OptTensor& bias, const at::Tensor& data, const at::Tensor& lo,
+                            const at::Tensor& step, const OptTensor& row_bits,
+                            const OptTensor& offsets, int64_t bits, int64_t group_size,
+                            std::vector<int64_t> stride, std::vector<int64_t> padding,
+                            std::vector<int64_t> dilation, int64_t groups, bool large) {
+    RECORD_USER_SCOPE("actnn_zoo::qconv");
+    at::Tensor out = conv_forward(x, weight, bias, stride, padding, dilation, groups);
+    save_codes(ctx, x, data, lo, step, row_bits, offsets, bits, group_size, weight);
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["dilation"] = dilation;
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["large"] = large;
+    // the input's memory format, which the decoded copy is given (cuDNN / oneDNN pick their
+    // kernels by it): 0 contiguous, 1 channels_last, 2 channels_last_3d
+    int64_t format = 0;
+    if (!x.is_contiguous()) {
+      if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) format = 1;
+      if (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) format = 2;
+    }
+    ctx->saved_data["format"] = format;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_USER_SCOPE("actnn_zoo::qconv_backward");
+    const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = has_bias && ctx->needs_input_grad(2);
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& weight = saved[3];
+    const at::Tensor& go = grads[0];
+    const std::vector<int64_t> stride = ctx->saved_data["stride"].toIntVector();
+    const std::vector<int64_t> padding = ctx->saved_data["padding"].toIntVector();
+    const std::vector<int64_t> dilation = ctx->saved_data["dilation"].toIntVector();
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
+    const int64_t format = ctx->saved_data["format"].toInt();
+    const std::vector<int64_t> zeros(stride.size(), 0);
+    const at::OptionalIntArrayRef bias_sizes =
+        need_b ? at::OptionalIntArrayRef(at::IntArrayRef(go.sizes().data() + 1, 1))
+               : at::OptionalIntArrayRef();
+    auto decoded = [&]() {
+      at::Tensor x = decode(ctx, saved);
+      if (format == 1) return x.contiguous(at::MemoryFormat::ChannelsLast);
+      if (format == 2) return x.contiguous(at::MemoryFormat::ChannelsLast3d);
+      return x;
+    };
+    auto run = [&](const at::Tensor& x, std::array<bool, 3> mask) {
+      return at::convolution_backward(go, x, weight, bias_sizes, stride, padding, dilation,
+                                      false, zeros, groups, mask);
+    };
+    at::Tensor gi, gw, gb;
+    if (need_x && need_w && !ctx->saved_data["large"].toBool()) {
+      // one call for a small input (a second call costs more than the arithmetic)
+      std::tie(gi, gw, gb) = run(decoded(), {true, true, need_b});
+    } else if (need_x || need_w) {
+      if (need_w) {  // first: the decoded input is freed before the input gradient exists
+        std::tie(std::ignore, gw, gb) = run(decoded(), {false, true, need_b});
+      }
+      if (need_x) gi = input_grad(go, weight, shape, stride, padding, dilation, groups);
+      if (need_x && !gi.defined()) {  // the op reads the input's shape, not its values
+        gi = std::get<0>(run(go.new_empty(at::IntArrayRef{}).expand(shape),
+                             {true, false, false}));
+      }
+    }
+    if (need_w) gw = guard_second_order(ctx, gw, weight, "QConv");
+    if (need_b && !need_w) {
+      std::vector<int64_t> dims{0};
+      for (int64_t i = 2; i < go.dim(); ++i) dims.push_back(i);
+      gb = go.sum(dims);
+    }
+    return {gi, gw, gb, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  }
+
+  // The input gradient as the transposed convolution of grad_out with the output padding that
+  // restores the input's size (no input tensor needed: aten's convolution_backward with a
+  // stand-in input copies it to a full contiguous map first); undefined when the sizes cannot
+  // be matched (functional/conv.py, ConvSpec.input_grad).
+  static at::Tensor input_grad(const at::Tensor& go, const at::Tensor& weight,
+                               const std::vector<int64_t>& shape,
+                               const std::vector<int64_t>& stride,
+                               const std::vector<int64_t>& padding,
+                               const std::vector<int64_t>& dilation, int64_t groups) {
+    std::vector<int64_t> out_pad;
+    for (size_t i = 0; i < stride.size(); ++i) {
+      const int64_t n_in = shape[i + 2], n_out = go.size(static_cast<int64_t>(i) + 2);
+      const int64_t span = dilation[i] * (weight.size(static_cast<int64_t>(i) + 2) - 1) + 1;
+      const int64_t extra = n_in - ((n_out - 1) * stride[i] - 2 * padding[i] + span);
+      if (extra < 0 || extra >= std::max(stride[i], dilation[i])) return at::Tensor();
+      out_pad.push_back(extra);
+    }
+    switch (go.dim()) {
+      case 3: return at::conv_transpose1d(go, weight, {}, stride, padding, out_pad, groups,
+                                          dilation);
+      case 4: return at::conv_transpose2d(go, weight, {}, stride, padding, out_pad, groups,
+                                          dilation);
+      case 5: return at::conv_transpose3d(go, weight, {}, stride, padding, out_pad, groups,
+                                          dilation);
+    }
+    return at::Tensor();
+  }
+};
+
+at::Tensor qconv(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                 const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                 const OptTensor& row_bits, const OptTensor& offsets, int64_t bits,
+                 int64_t group_size, std::vector<int64_t> stride, std::vector<int64_t> padding,
+                 std::vector<int64_t> dilation, int64_t groups, bool large) {
+  const size_t dims = static_cast<size_t>(x.dim()) - 2;
+  TORCH_CHECK_VALUE(x.dim() >= 3 && x.dim() <= 5 && weight.dim() == x.dim() &&
+                    stride.size() == dims && padding.size() == dims && dilation.size() == dims,
+                    "qconv: x ", x.sizes(), ", weight ", weight.sizes(), " and stride/padding/"
+                    "dilation of ", stride.size(), "/", padding.size(), "/", dilation.size(),
+                    " dims do not fit");
+  TORCH_CHECK_VALUE(lo.dim() == 2 && step.sizes() == lo.sizes(),
+                    "qconv: lo and step must be (rows, groups) alike, got ", lo.sizes(), " and ",
+                    step.sizes());
+  return QConvFunction::apply(x, weight, bias, data, lo, step, row_bits, offsets, bits,
+                              group_size, std::move(stride), std::move(padding),
+                              std::move(dilation), groups, large);
+}
+
+}  // namespace
+
+void register_qlayers(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("qlinear", &qlinear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("row_bits") = py::none(),
+        py::arg("offsets") = py::none(), py::arg("bits"), py::arg("group_size"),
+        "y = linear(x, weight, bias) whose backward decodes x from its codes (data, lo, step "
+        "[, row_bits, offsets for per-sample widths], quantize of x at bits and group_size) for "
+        "the weight gradient; the input and bias gradients are exact.");
+  m.def("qconv", &qconv, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("row_bits") = py::none(),
+        py::arg("offsets") = py::none(), py::arg("bits"), py::arg("group_size"),
+        py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
+        py::arg("large"),
+        "y = conv{1,2,3}d(x, weight, bias, stride, padding, dilation, groups) whose backward "
+        "decodes x from its codes (as qlinear) for the weight gradient; `large`: the weight "
+        "gradient first and the decoded input freed before the input gradient is made.");
+}
+
+}  // namespace actnn_zoo

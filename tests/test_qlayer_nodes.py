@@ -1,0 +1,221 @@
+"""The layers' compiled autograd nodes (``_C.qlinear`` / ``_C.qconv``, cpp_ext/qlayers.cpp)
+against their Python Functions: the same codes, hence bit-identical outputs and gradients, and
+the same guarantees (double backward, retain_graph, autograd's in-place check, the capture
+store's accounting)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import actnn_zoo as az
+from actnn_zoo.config import LayerQConfig
+from actnn_zoo.functional import _saving
+from actnn_zoo.functional import conv as fconv
+from actnn_zoo.functional import linear as flinear
+from actnn_zoo.nn import QConv2d, QLinear
+from actnn_zoo.quant import SampleBits
+
+pytestmark = pytest.mark.skipif(flinear._QLINEAR is None, reason="no compiled extension")
+
+
+def _node(t: torch.Tensor) -> str:
+    return t.grad_fn.name()
+
+
+def _widths(kind: str, n: int) -> object:
+    """One width, or per-sample widths (1, 2, 4, 8 in turn) for ``n`` samples."""
+    if kind == "mixed":
+        w = torch.tensor([(1, 2, 4, 8)[i % 4] for i in range(n)], dtype=torch.uint8)
+        return SampleBits(w, int(w.sum()))
+    return int(kind)
+
+
+def _compare(run, node: str, python: str, module) -> None:
+    """``run()`` -> (output, grads) with the compiled node, then with the Python Function at
+    the same seed: bit-identical."""
+    attr = "_QLINEAR" if module is flinear else "_QCONV"
+    torch.manual_seed(3)
+    out, got = run()
+    assert node in out.grad_fn.name(), out.grad_fn.name()
+    saved = getattr(module, attr)
+    try:
+        setattr(module, attr, None)
+        torch.manual_seed(3)
+        out2, want = run()
+    finally:
+        setattr(module, attr, saved)
+    assert out2.grad_fn.name() == python
+    assert torch.equal(out, out2)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+       n_in=st.integers(1, 70), n_out=st.integers(1, 9), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       bits=st.sampled_from(["1", "2", "8", "mixed"]), transposed=st.booleans())
+def test_linear_node_equals_the_python_function(lead, n_in, n_out, bias, dtype, bits,
+                                                transposed):
+    torch.manual_seed(0)
+    layer = nn.Linear(n_in, n_out, bias=bias, dtype=dtype)
+    # GPT-2's Conv1D: the weight stored (in, out), passed as its transpose
+    weight = nn.Parameter(layer.weight.detach().t().contiguous()) if transposed else layer.weight
+    g0 = torch.Generator().manual_seed(1)
+    x = torch.randn(*lead, n_in, generator=g0).to(dtype)
+    g = torch.randn(*lead, n_out, generator=g0).to(dtype)
+    if bits == "mixed" and x.dim() < 2:
+        bits = "2"  # per-sample widths need a batch dim
+    widths = _widths(bits, x.shape[0] if x.dim() > 1 else 1)
+    params = [weight] + ([layer.bias] if bias else [])
+
+    def run():
+        xi = x.clone().requires_grad_(True)
+        w = weight.t() if transposed else weight
+        out = flinear.linear(xi, w, layer.bias, LayerQConfig(bits=2), widths)
+        out.backward(g)
+        grads = [xi.grad] + [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return out, grads
+
+    _compare(run, "QLinearFunction", "LinearFunctionBackward", flinear)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dims=st.sampled_from([1, 2, 3]), batch=st.integers(1, 3), c_in=st.integers(1, 4),
+       c_out=st.integers(1, 4), kernel=st.integers(1, 3), stride=st.integers(1, 2),
+       padding=st.integers(0, 2), dilation=st.integers(1, 2), groups=st.sampled_from([1, 2]),
+       bias=st.booleans(), channels_last=st.booleans(),
+       bits=st.sampled_from(["2", "4", "mixed"]), large=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_conv_node_equals_the_python_function(dims, batch, c_in, c_out, kernel, stride, padding,
+                                              dilation, groups, bias, channels_last, bits,
+                                              large, dtype):
+    c_in, c_out = c_in * groups, c_out * groups
+    size = (dilation * (kernel - 1) + 1) + stride + 1
+    torch.manual_seed(0)
+    layer = getattr(nn, f"Conv{dims}d")(c_in, c_out, kernel, stride, padding, dilation, groups,
+                                        bias, dtype=dtype)
+    g0 = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, c_in, *([size] * dims), generator=g0).to(dtype)
+    if channels_last and dims == 2:
+        x = x.contiguous(memory_format=torch.channels_last)
+    spec = fconv.ConvSpec(dims, (stride,) * dims, (padding,) * dims, (dilation,) * dims, groups)
+    widths = _widths(bits, batch)
+    params = [layer.weight] + ([layer.bias] if bias else [])
+    g = torch.randn(layer(x).shape, generator=g0).to(dtype)
+
+    def run():
+        xi = x.clone().requires_grad_(True)  # (clone keeps the memory format)
+        out = fconv.conv(xi, layer.weight, layer.bias, spec, LayerQConfig(bits=2), widths)
+        out.backward(g)
+        grads = [xi.grad] + [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return out, grads
+
+    # ``large``: the weight gradient first, the input gradient as the adjoint convolution
+    saved = _saving.CHUNK_MIN_BYTES
+    try:
+        _saving.CHUNK_MIN_BYTES = 1 if large else saved
+        _compare(run, "QConvFunction", "ConvFunctionBackward", fconv)
+    finally:
+        _saving.CHUNK_MIN_BYTES = saved
+
+
+def _layer(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, bits: int,
+           transposed: bool = False) -> QLinear:
+    torch.manual_seed(0)
+    layer = QLinear.from_float(nn.Linear(n_in, n_out, bias=bias, dtype=dtype),
+                               LayerQConfig(bits=bits))
+    return layer.train()
+
+
+def test_other_cases_keep_the_python_function():
+    layer = _layer(8, 4, True, torch.float32, 2, False)
+    x = torch.randn(3, 8, requires_grad=True)
+    assert "QLinearFunction" in _node(layer(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _node(layer(x)) == "LinearFunctionBackward"
+    wide = _layer(8, 4, True, torch.float64, 2, False)  # float64: codes of a float32 copy
+    assert _node(wide(x.double())) == "LinearFunctionBackward"
+    layer.weight.requires_grad_(False)  # nothing to save
+    assert _node(layer(x)) == "LinearFunctionBackward"
+    layer.weight.requires_grad_(True)
+    layer.qconfig = LayerQConfig(bits=2, transform="hadamard")
+    assert _node(layer(x)) == "LinearFunctionBackward"
+
+    x = torch.randn(2, 2, 6, 6, requires_grad=True)
+    for conv, node in ((nn.Conv2d(2, 2, 3), "QConvFunction"),
+                       (nn.Conv2d(2, 2, 3, padding="same"), "ConvFunctionBackward"),
+                       (nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"),
+                        "ConvFunctionBackward"),
+                       (nn.ConvTranspose2d(2, 2, 3), "ConvFunctionBackward")):
+        q = az.convert_model(nn.Sequential(conv), bits=2, strategy="uniform", capture=False)
+        assert node in _node(q(x)), (conv, _node(q(x)))
+
+
+def test_double_backward_input_gradient_exact_weight_gradient_raises():
+    layer = _layer(6, 5, True, torch.float32, 8, False)
+    ref = nn.Linear(6, 5)
+    ref.load_state_dict({"weight": layer.weight.detach(), "bias": layer.bias.detach()})
+    x = torch.randn(4, 6, requires_grad=True)
+    out = layer(x)
+    assert "QLinearFunction" in _node(out)
+    v = torch.randn(4, 5)  # a gradient penalty's upstream gradient: constant
+    (gx,) = torch.autograd.grad((out * v).sum(), x, create_graph=True)
+    xr = x.detach().requires_grad_(True)
+    (gxr,) = torch.autograd.grad((ref(xr) * v).sum(), xr, create_graph=True)
+    torch.testing.assert_close(gx, gxr)
+    gx.square().sum().backward()  # d/dW of the input gradient: exact, no saved input needed
+    gxr.square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+
+    out = layer(x)
+    gw = torch.autograd.grad(out.square().sum(), layer.weight, create_graph=True)[0]
+    with pytest.raises(NotImplementedError, match="double backward"):
+        gw.sum().backward()
+
+
+def test_retain_graph_and_the_in_place_check():
+    layer = _layer(6, 5, True, torch.float32, 2, False)
+    x = torch.randn(4, 6, requires_grad=True)
+    out = layer(x).sum()
+    out.backward(retain_graph=True)
+    first = layer.weight.grad.clone()
+    out.backward()  # the codes are read again
+    torch.testing.assert_close(layer.weight.grad, 2 * first)
+
+    out = layer(x).sum()
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # changed after it was saved
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_capture_counts_and_compresses_the_same():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64))
+    x = torch.randn(16, 64)
+    reports = []
+    for fused in (True, False):
+        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+        saved = flinear._QLINEAR
+        try:
+            if not fused:
+                flinear._QLINEAR = None
+            torch.manual_seed(5)
+            q(x).sum().backward()
+        finally:
+            flinear._QLINEAR = saved
+        reports.append((str(az.capture_report(q)), [p.grad.clone() for p in q.parameters()]))
+    assert reports[0][0] == reports[1][0]
+    for a, b in zip(reports[0][1], reports[1][1]):
+        assert torch.equal(a, b)
