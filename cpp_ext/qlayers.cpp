@@ -31,25 +31,41 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<at::Tensor>;
 
+}  // namespace
+
+// sparse_cpu.cpp (CPU only)
+at::Tensor dequantize_sparse_cpu(const at::Tensor& data, const at::Tensor& lo,
+                                 const at::Tensor& step, const at::Tensor& mask,
+                                 const at::Tensor& bits, const at::Tensor& offsets,
+                                 int64_t group_size, at::Tensor out);
+
+namespace {
+
 // Backward computes in the forward's dtype whatever autocast state the caller's thread has
 // (the Python Functions' no_autocast).
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
-// What forward saves of the input's codes: data, lo, step [, row widths, row offsets] first in
-// save_for_backward, the rest in saved_data.
+// What forward saves of the input's codes: data, lo, step, weight [, row widths, row offsets
+// [, the nonzeros' mask]] through save_for_backward, the rest in saved_data. Three payloads:
+// one width (data, lo, step), per-sample widths (+ row_bits, offsets), sparse codes of a ReLU
+// output (+ row_bits, offsets, mask: quant.quantize_sparse, CPU only).
 void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& data,
                 const at::Tensor& lo, const at::Tensor& step, const OptTensor& row_bits,
-                const OptTensor& offsets, int64_t bits, int64_t group_size,
-                const at::Tensor& weight) {
-  const bool mixed = row_bits.has_value() && row_bits->defined();
-  TORCH_CHECK_VALUE(mixed == (offsets.has_value() && offsets->defined()),
-                    "row_bits and offsets come together (per-sample widths) or not at all");
-  if (mixed) {
+                const OptTensor& offsets, const OptTensor& mask, int64_t bits,
+                int64_t group_size, const at::Tensor& weight) {
+  auto given = [](const OptTensor& t) { return t.has_value() && t->defined(); };
+  const bool mixed = given(row_bits), sparse = given(mask);
+  TORCH_CHECK_VALUE(mixed == given(offsets) && (mixed || !sparse),
+                    "row_bits and offsets come together (per-sample widths), and sparse codes "
+                    "(mask) have both");
+  if (sparse) {
+    ctx->save_for_backward({data, lo, step, weight, *row_bits, *offsets, *mask});
+  } else if (mixed) {
     ctx->save_for_backward({data, lo, step, weight, *row_bits, *offsets});
   } else {
     ctx->save_for_backward({data, lo, step, weight});
   }
-  ctx->saved_data["mixed"] = mixed;
+  ctx->saved_data["kind"] = static_cast<int64_t>(sparse ? 2 : mixed ? 1 : 0);
   ctx->saved_data["shape"] = x.sizes();
   ctx->saved_data["dtype"] = x.scalar_type();
   ctx->saved_data["bits"] = bits;
@@ -57,13 +73,14 @@ void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dat
   ctx->saved_data["x_grad"] = x.requires_grad();  // (needs_input_grad is per backward call)
 }
 
-// The decoded input: the actnn_zoo::dequantize_uniform operator for one width, the general
-// kernel with the saved row widths and offsets for per-sample widths.
+// The decoded input: the actnn_zoo::dequantize_uniform operator for one width, the general or
+// the sparse kernel with the saved row widths and offsets otherwise.
 at::Tensor decode(AutogradContext* ctx, const variable_list& saved) {
   const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
   const at::ScalarType dtype = ctx->saved_data["dtype"].toScalarType();
   const int64_t group_size = ctx->saved_data["group_size"].toInt();
-  if (!ctx->saved_data["mixed"].toBool()) {
+  const int64_t kind = ctx->saved_data["kind"].toInt();
+  if (kind == 0) {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("actnn_zoo::dequantize_uniform", "")
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
@@ -76,6 +93,11 @@ at::Tensor decode(AutogradContext* ctx, const variable_list& saved) {
   if (out.numel() == 0) return out;
   const auto [n, d] = contract_rows(out.sizes());
   at::Tensor rows = out.view({n, d});
+  if (kind == 2) {
+    dequantize_sparse_cpu(saved[0], saved[1], saved[2], saved[6], saved[4], saved[5],
+                          group_size, rows);
+    return out;
+  }
   if (out.device().is_cpu()) {
     dequantize_cpu(saved[0], saved[1], saved[2], saved[4], saved[5], group_size, rows);
     return out;
@@ -123,10 +145,11 @@ struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptTensor& bias, const at::Tensor& data, const at::Tensor& lo,
                             const at::Tensor& step, const OptTensor& row_bits,
-                            const OptTensor& offsets, int64_t bits, int64_t group_size) {
+                            const OptTensor& offsets, const OptTensor& mask, int64_t bits,
+                            int64_t group_size) {
     RECORD_USER_SCOPE("actnn_zoo::qlinear");
     at::Tensor out = at::linear(x, weight, bias);
-    save_codes(ctx, x, data, lo, step, row_bits, offsets, bits, group_size, weight);
+    save_codes(ctx, x, data, lo, step, row_bits, offsets, mask, bits, group_size, weight);
     ctx->saved_data["bias"] = bias.has_value() && bias->defined();
     return out;
   }
@@ -155,20 +178,20 @@ struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
     }
     if (need_x) gx = g.matmul(weight);
     if (need_b) gb = g2.sum(0);
-    return {gx, gw, gb, {}, {}, {}, {}, {}, {}, {}};
+    return {gx, gw, gb, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                    const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
-                   const OptTensor& row_bits, const OptTensor& offsets, int64_t bits,
-                   int64_t group_size) {
+                   const OptTensor& row_bits, const OptTensor& offsets, const OptTensor& mask,
+                   int64_t bits, int64_t group_size) {
   TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
                     "qlinear: x ", x.sizes(), " does not fit weight ", weight.sizes());
   TORCH_CHECK_VALUE(lo.dim() == 2 && step.sizes() == lo.sizes(),
                     "qlinear: lo and step must be (rows, groups) alike, got ", lo.sizes(),
                     " and ", step.sizes());
-  return QLinearFunction::apply(x, weight, bias, data, lo, step, row_bits, offsets, bits,
+  return QLinearFunction::apply(x, weight, bias, data, lo, step, row_bits, offsets, mask, bits,
                                 group_size);
 }
 
@@ -190,12 +213,13 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptTensor& bias, const at::Tensor& data, const at::Tensor& lo,
                             const at::Tensor& step, const OptTensor& row_bits,
-                            const OptTensor& offsets, int64_t bits, int64_t group_size,
-                            std::vector<int64_t> stride, std::vector<int64_t> padding,
-                            std::vector<int64_t> dilation, int64_t groups, bool large) {
+                            const OptTensor& offsets, const OptTensor& mask, int64_t bits,
+                            int64_t group_size, std::vector<int64_t> stride,
+                            std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                            int64_t groups, bool large) {
     RECORD_USER_SCOPE("actnn_zoo::qconv");
     at::Tensor out = conv_forward(x, weight, bias, stride, padding, dilation, groups);
-    save_codes(ctx, x, data, lo, step, row_bits, offsets, bits, group_size, weight);
+    save_codes(ctx, x, data, lo, step, row_bits, offsets, mask, bits, group_size, weight);
     ctx->saved_data["bias"] = bias.has_value() && bias->defined();
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
@@ -262,7 +286,7 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
       for (int64_t i = 2; i < go.dim(); ++i) dims.push_back(i);
       gb = go.sum(dims);
     }
-    return {gi, gw, gb, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+    return {gi, gw, gb, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 
   // The input gradient as the transposed convolution of grad_out with the output padding that
@@ -296,9 +320,10 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
 
 at::Tensor qconv(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                  const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
-                 const OptTensor& row_bits, const OptTensor& offsets, int64_t bits,
-                 int64_t group_size, std::vector<int64_t> stride, std::vector<int64_t> padding,
-                 std::vector<int64_t> dilation, int64_t groups, bool large) {
+                 const OptTensor& row_bits, const OptTensor& offsets, const OptTensor& mask,
+                 int64_t bits, int64_t group_size, std::vector<int64_t> stride,
+                 std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                 bool large) {
   const size_t dims = static_cast<size_t>(x.dim()) - 2;
   TORCH_CHECK_VALUE(x.dim() >= 3 && x.dim() <= 5 && weight.dim() == x.dim() &&
                     stride.size() == dims && padding.size() == dims && dilation.size() == dims,
@@ -308,7 +333,7 @@ at::Tensor qconv(const at::Tensor& x, const at::Tensor& weight, const OptTensor&
   TORCH_CHECK_VALUE(lo.dim() == 2 && step.sizes() == lo.sizes(),
                     "qconv: lo and step must be (rows, groups) alike, got ", lo.sizes(), " and ",
                     step.sizes());
-  return QConvFunction::apply(x, weight, bias, data, lo, step, row_bits, offsets, bits,
+  return QConvFunction::apply(x, weight, bias, data, lo, step, row_bits, offsets, mask, bits,
                               group_size, std::move(stride), std::move(padding),
                               std::move(dilation), groups, large);
 }
@@ -319,14 +344,16 @@ void register_qlayers(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("qlinear", &qlinear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("row_bits") = py::none(),
-        py::arg("offsets") = py::none(), py::arg("bits"), py::arg("group_size"),
-        "y = linear(x, weight, bias) whose backward decodes x from its codes (data, lo, step "
-        "[, row_bits, offsets for per-sample widths], quantize of x at bits and group_size) for "
-        "the weight gradient; the input and bias gradients are exact.");
+        py::arg("offsets") = py::none(), py::arg("mask") = py::none(), py::arg("bits"),
+        py::arg("group_size"),
+        "y = linear(x, weight, bias) whose backward decodes x from its codes for the weight "
+        "gradient: data, lo, step (quantize of x at bits and group_size), with row_bits and "
+        "offsets for per-sample widths, and mask too for sparse codes (quantize_sparse, CPU); "
+        "the input and bias gradients are exact.");
   m.def("qconv", &qconv, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("row_bits") = py::none(),
-        py::arg("offsets") = py::none(), py::arg("bits"), py::arg("group_size"),
-        py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
+        py::arg("offsets") = py::none(), py::arg("mask") = py::none(), py::arg("bits"),
+        py::arg("group_size"), py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
         py::arg("large"),
         "y = conv{1,2,3}d(x, weight, bias, stride, padding, dilation, groups) whose backward "
         "decodes x from its codes (as qlinear) for the weight gradient; `large`: the weight "

@@ -445,9 +445,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   return {data, lo, step, mask, offsets};
 }
 
-at::Tensor dequantize_sparse(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
-                             const at::Tensor& mask, const at::Tensor& bits,
-                             const at::Tensor& offsets, int64_t group_size, at::Tensor out) {
+}  // namespace
+
+// Also the decode of qlayers.cpp's nodes (declared there).
+at::Tensor dequantize_sparse_cpu(const at::Tensor& data, const at::Tensor& lo,
+                                 const at::Tensor& step, const at::Tensor& mask,
+                                 const at::Tensor& bits, const at::Tensor& offsets,
+                                 int64_t group_size, at::Tensor out) {
   RECORD_USER_SCOPE("actnn_zoo::dequantize_sparse");
   TORCH_CHECK(out.device().is_cpu(), "dequantize_sparse: no kernel for tensors on ", out.device(),
               " (CPU only)");
@@ -502,8 +506,6 @@ at::Tensor dequantize_sparse(const at::Tensor& data, const at::Tensor& lo, const
   return out;
 }
 
-}  // namespace
-
 void register_sparse(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("quantize_sparse", &quantize_sparse, py::call_guard<py::gil_scoped_release>(),
@@ -511,7 +513,7 @@ void register_sparse(pybind11::module_& m) {
         py::arg("stochastic"),
         "(N, D) float -> (data, lo, step, mask, offsets): codes of the nonzeros only "
         "(reference.quantize_sparse). CPU only.");
-  m.def("dequantize_sparse", &dequantize_sparse, py::call_guard<py::gil_scoped_release>(),
+  m.def("dequantize_sparse", &dequantize_sparse_cpu, py::call_guard<py::gil_scoped_release>(),
         py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("mask"), py::arg("bits"),
         py::arg("offsets"), py::arg("group_size"), py::arg("out"),
         "Inverse of quantize_sparse into out (N, D) (reference.dequantize_sparse). CPU only.");

@@ -20,6 +20,8 @@ from actnn_zoo.functional import linear as flinear
 from actnn_zoo.nn import QConv2d, QLinear
 from actnn_zoo.quant import SampleBits
 
+from _graphs import grad_nodes
+
 pytestmark = pytest.mark.skipif(flinear._QLINEAR is None, reason="no compiled extension")
 
 
@@ -218,4 +220,43 @@ def test_capture_counts_and_compresses_the_same():
         reports.append((str(az.capture_report(q)), [p.grad.clone() for p in q.parameters()]))
     assert reports[0][0] == reports[1][0]
     for a, b in zip(reports[0][1], reports[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_sparse_relu_codes_go_through_the_node(monkeypatch):
+    """With capture on, a conv after a ReLU saves the ReLU output's sparse codes (shared with
+    the ReLU, ``relu_codes``): the compiled node decodes them as the Python Function does."""
+    kinds = []
+    real = fconv.node_codes
+
+    def spy(q, weight):
+        kinds.append(type(q).__name__)
+        return real(q, weight)
+
+    monkeypatch.setattr(fconv, "node_codes", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4))
+    x = torch.randn(4, 3, 6, 6)
+    results = []
+    for fused in (True, False):
+        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+        saved = (fconv._QCONV, flinear._QLINEAR)
+        try:
+            if not fused:
+                fconv._QCONV = flinear._QLINEAR = None
+            for step in range(3):  # the first forward offers the ReLU outputs, later ones share
+                q.zero_grad()
+                torch.manual_seed(7 + step)
+                out = q(x)
+                out.square().sum().backward()
+        finally:
+            fconv._QCONV, flinear._QLINEAR = saved
+        nodes = grad_nodes(out)
+        results.append((nodes, str(az.capture_report(q)), [p.grad for p in q.parameters()]))
+    assert {"QConvFunction", "QLinearFunction"} <= results[0][0], results[0][0]
+    assert "ConvFunctionBackward" in results[1][0]
+    assert kinds[-1] == "SparseQuantizedTensor", kinds  # the last step's second conv
+    assert results[0][1] == results[1][1]
+    for a, b in zip(results[0][2], results[1][2]):
         assert torch.equal(a, b)

@@ -26,14 +26,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor
+from ..quant import Bits
 from ..quant.backend import extension
 from ..quant.division import Payload
 from ._autocast import no_autocast
 from ._saving import (compress, dequantize_rows, large_input, load, load_codes, restore,
                       sample_chunks, save, save_codes)
-from .linear import (cast, compiled_node_applies, dtype_of, guard_second_order, keep_saved,
-                     memory_format_of)
+from .linear import (cast, compiled_node_applies, dtype_of, guard_second_order,
+                     memory_format_of, node_codes)
 
 # The compiled autograd node of a plain convolution (cpp_ext/qlayers.cpp), None without it.
 _QCONV = getattr(extension(), "qconv", None)
@@ -180,12 +180,11 @@ def conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
             and not isinstance(spec.padding, str)
             and compiled_node_applies(x, weight, bias, qconfig, bits)):
         q = compress(x, qconfig, bits, maps=True)
-        if type(q) is not QuantizedTensor or q.transform != "none":
-            return ConvFunction.apply(x, weight, bias, spec, qconfig, bits, q)  # ReLU codes
-        keep_saved(q, weight)
-        return _QCONV(x, weight, bias, q.data, q.lo, q.step, q.row_bits, q.offsets, q.bits or 0,
-                      q.group_size, list(spec.stride), list(spec.padding), list(spec.dilation),
-                      spec.groups, large_input(q))
+        codes = node_codes(q, weight)
+        if codes is None:
+            return ConvFunction.apply(x, weight, bias, spec, qconfig, bits, q)
+        return _QCONV(x, weight, bias, *codes, list(spec.stride), list(spec.padding),
+                      list(spec.dilation), spec.groups, large_input(q))
     return ConvFunction.apply(x, weight, bias, spec, qconfig, bits)
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .._session import active_session
 from ..config import LayerQConfig
-from ..quant import Bits, QuantizedTensor, SampleBits
+from ..quant import Bits, QuantizedTensor, SampleBits, SparseQuantizedTensor
 from ..quant.backend import extension
 from ..quant.division import Payload
 from ._autocast import no_autocast
@@ -146,11 +146,10 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], qconfig: LayerQCon
     Both save the same codes and give the same gradients."""
     if _QLINEAR is not None and compiled_node_applies(x, weight, bias, qconfig, bits):
         q = compress(x, qconfig, bits, maps=False)
-        if type(q) is not QuantizedTensor or q.transform != "none":
-            return LinearFunction.apply(x, weight, bias, qconfig, bits, q)  # e.g. ReLU codes
-        keep_saved(q, weight)
-        return _QLINEAR(x, weight, bias, q.data, q.lo, q.step, q.row_bits, q.offsets,
-                        q.bits or 0, q.group_size)
+        codes = node_codes(q, weight)
+        if codes is None:
+            return LinearFunction.apply(x, weight, bias, qconfig, bits, q)
+        return _QLINEAR(x, weight, bias, *codes)
     return LinearFunction.apply(x, weight, bias, qconfig, bits)
 
 
@@ -170,12 +169,21 @@ def compiled_node_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor],
             and not torch.is_autocast_enabled(x.device.type))
 
 
-def keep_saved(q: QuantizedTensor, weight: Tensor) -> None:
-    """Inside a capture session, tell the store that a compiled node saves ``q`` and
-    ``weight`` on purpose (tier 3 passes them through, as for a Python Function's save)."""
+def node_codes(q: Payload, weight: Tensor) -> Optional[tuple]:
+    """``q`` as a compiled node takes it -- (data, lo, step, row_bits, offsets, mask, bits,
+    group_size) -- or None for a payload it does not decode (a rotation). Inside a capture
+    session the store is told that the node saves these tensors and ``weight`` on purpose
+    (tier 3 passes them through, as for a Python Function's save)."""
+    if type(q) is QuantizedTensor and q.transform == "none":
+        codes = (q.data, q.lo, q.step, q.row_bits, q.offsets, None, q.bits or 0, q.group_size)
+    elif type(q) is SparseQuantizedTensor:  # a ReLU output's codes, shared with the ReLU
+        codes = (q.data, q.lo, q.step, q.row_bits, q.offsets, q.mask, 0, q.group_size)
+    else:
+        return None
     session = active_session()
     if session is not None:
         session.store.keep(*q.tensors(), weight)
+    return codes
 
 
 class LinearFunction(torch.autograd.Function):
