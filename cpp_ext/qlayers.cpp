@@ -49,10 +49,10 @@ using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 // [, the nonzeros' mask]] through save_for_backward, the rest in saved_data. Three payloads:
 // one width (data, lo, step), per-sample widths (+ row_bits, offsets), sparse codes of a ReLU
 // output (+ row_bits, offsets, mask: quant.quantize_sparse, CPU only).
-void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& data,
-                const at::Tensor& lo, const at::Tensor& step, const OptTensor& row_bits,
-                const OptTensor& offsets, const OptTensor& mask, int64_t bits,
-                int64_t group_size, const at::Tensor& weight) {
+void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                const OptTensor& bias, const at::Tensor& data, const at::Tensor& lo,
+                const at::Tensor& step, const OptTensor& row_bits, const OptTensor& offsets,
+                const OptTensor& mask, int64_t bits, int64_t group_size) {
   auto given = [](const OptTensor& t) { return t.has_value() && t->defined(); };
   const bool mixed = given(row_bits), sparse = given(mask);
   TORCH_CHECK_VALUE(mixed == given(offsets) && (mixed || !sparse),
@@ -71,6 +71,18 @@ void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dat
   ctx->saved_data["bits"] = bits;
   ctx->saved_data["group_size"] = group_size;
   ctx->saved_data["x_grad"] = x.requires_grad();  // (needs_input_grad is per backward call)
+  ctx->saved_data["bias"] = given(bias);
+}
+
+// Which of (input, weight, bias) this backward call must give (the next edges: x, weight,
+// [bias,] then the codes, which take no gradient).
+struct Needed {
+  bool x, w, b;
+};
+
+Needed needed(AutogradContext* ctx) {
+  return {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+          ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)};
 }
 
 // The decoded input: the actnn_zoo::dequantize_uniform operator for one width, the general or
@@ -149,18 +161,14 @@ struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
                             int64_t group_size) {
     RECORD_USER_SCOPE("actnn_zoo::qlinear");
     at::Tensor out = at::linear(x, weight, bias);
-    save_codes(ctx, x, data, lo, step, row_bits, offsets, mask, bits, group_size, weight);
-    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    save_codes(ctx, x, weight, bias, data, lo, step, row_bits, offsets, mask, bits, group_size);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qlinear_backward");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-    const bool has_bias = ctx->saved_data["bias"].toBool();
-    // next edges: x, weight, [bias,] data, lo, step [, row_bits, offsets]
-    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
-    const bool need_b = has_bias && ctx->needs_input_grad(2);
+    const auto [need_x, need_w, need_b] = needed(ctx);
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& weight = saved[3];
     const at::Tensor& g = grads[0];
@@ -219,8 +227,7 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
                             int64_t groups, bool large) {
     RECORD_USER_SCOPE("actnn_zoo::qconv");
     at::Tensor out = conv_forward(x, weight, bias, stride, padding, dilation, groups);
-    save_codes(ctx, x, data, lo, step, row_bits, offsets, mask, bits, group_size, weight);
-    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    save_codes(ctx, x, weight, bias, data, lo, step, row_bits, offsets, mask, bits, group_size);
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["dilation"] = dilation;
@@ -240,9 +247,7 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qconv_backward");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-    const bool has_bias = ctx->saved_data["bias"].toBool();
-    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
-    const bool need_b = has_bias && ctx->needs_input_grad(2);
+    const auto [need_x, need_w, need_b] = needed(ctx);
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& weight = saved[3];
     const at::Tensor& go = grads[0];
