@@ -770,3 +770,57 @@ def test_attention_dropout_refuses_cuda_graph_capture():
 
     with pytest.raises(RuntimeError, match="dropout cannot be captured into a CUDA graph"):
         _capture(attend)
+
+
+# ---------------------------------------------------------------- the layers' compiled nodes
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("widths", ["one", "per-sample"])
+def test_compiled_nodes_equal_the_python_functions_on_cuda(kind, widths):
+    """``_C.qlinear`` / ``_C.qconv`` (cpp_ext/qlayers.cpp) on CUDA: outputs and gradients bit
+    for bit those of the Python Functions at the same seed (tests/test_qlayer_nodes.py on the
+    CPU)."""
+    from actnn_zoo.config import LayerQConfig
+    from actnn_zoo.functional import conv as fconv
+    from actnn_zoo.functional import linear as flinear
+
+    torch.manual_seed(0)
+    if kind == "linear":
+        layer = torch.nn.Linear(48, 24).to(DEV)
+        x = torch.randn(6, 5, 48, device=DEV)
+        module, attr, node = flinear, "_QLINEAR", "QLinearFunction"
+
+        def forward(xi, bits):
+            return flinear.linear(xi, layer.weight, layer.bias, LayerQConfig(bits=2), bits)
+    else:
+        layer = torch.nn.Conv2d(4, 8, 3, stride=2, padding=1).to(DEV)
+        x = torch.randn(6, 4, 9, 9, device=DEV)
+        spec = fconv.ConvSpec(2, (2, 2), (1, 1), (1, 1), 1)
+        module, attr, node = fconv, "_QCONV", "QConvFunction"
+
+        def forward(xi, bits):
+            return fconv.conv(xi, layer.weight, layer.bias, spec, LayerQConfig(bits=2), bits)
+    w = torch.tensor([1, 2, 4, 8, 2, 1], dtype=torch.uint8, device=DEV)
+    bits = 2 if widths == "one" else SampleBits(w, int(w.sum()))
+    assert getattr(module, attr) is not None
+
+    def run():
+        torch.manual_seed(3)
+        xi = x.clone().requires_grad_(True)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            out = forward(xi, bits)
+            out.backward(torch.linspace(-1, 1, out.numel(), device=DEV).view(out.shape))
+        grads = [xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone()]
+        layer.weight.grad = layer.bias.grad = None
+        return out, grads
+
+    out, got = run()
+    assert node in out.grad_fn.name()
+    saved = getattr(module, attr)
+    try:
+        setattr(module, attr, None)
+        out2, want = run()
+    finally:
+        setattr(module, attr, saved)
+    assert torch.equal(out, out2)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
