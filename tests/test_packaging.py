@@ -89,3 +89,18 @@ def test_repository_configs_folder_is_the_package_folder():
     """Scripts, tests and docs name ``configs/<name>.yaml``: one copy of each file, no drift."""
     top, pkg = ROOT / "configs", ROOT / "actnn_zoo" / "configs"
     assert top.resolve() == pkg.resolve()
+
+
+def test_the_just_in_time_build_compiles_what_setup_py_compiles():
+    """``quant/backend.py`` builds the extension just in time where no prebuilt one loads: its
+    source lists must be setup.py's, or the build links without a file's functions (it lacked
+    attention_dropout_cpu.cpp, whose registration bindings.cpp calls)."""
+    from actnn_zoo.quant import backend
+
+    text = (ROOT / "setup.py").read_text()
+    listed = re.findall(r'"cpp_ext/([\w.]+)"', text)
+    cpu = {s for s in listed if s.endswith(".cpp")}
+    cuda = {s for s in listed if s.endswith(".cu")}
+    assert cpu == set(backend.CPU_SOURCES)
+    assert cuda == set(backend.CUDA_SOURCES)
+    assert all((ROOT / "cpp_ext" / s).exists() for s in cpu | cuda)

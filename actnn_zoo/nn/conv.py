@@ -7,7 +7,9 @@ output is torch's. Backward: dequantize x, then the public ``aten::convolution_b
 ``backward_chunks`` samples-chunks at a time, the weight gradient summed over chunks. padding_mode != 'zeros' applies the
 same F.pad as torch inside the Function: the unpadded input is compressed and re-padded in
 backward (a pad outside would save the full input). Unbatched inputs get a batch dim of one.
-Eval / no_grad / qconfig.enabled=False: plain torch forward.
+Eval / no_grad / qconfig.enabled=False: plain torch forward. A plain convolution runs as a
+compiled autograd node (``_C.qconv``, no Python in backward) in the common case, else as
+``ConvFunction``: the same codes and gradients (``functional.conv.conv``).
 """
 from __future__ import annotations
 

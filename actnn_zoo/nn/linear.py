@@ -2,7 +2,9 @@
 
 Saves: compress(x) (only when the weight needs a gradient) + the weight Parameter (free).
 Backward: grad_x = grad_y @ W (exact), grad_W = grad_y^T @ dequant(x) (unbiased),
-grad_b = sum(grad_y). Eval / no_grad / qconfig.enabled=False: plain nn.Linear.
+grad_b = sum(grad_y). Eval / no_grad / qconfig.enabled=False: plain nn.Linear. In the common
+case the autograd node is compiled (``_C.qlinear``, no Python in backward), else
+``LinearFunction``: the same codes and gradients (``functional.linear.linear``).
 """
 from __future__ import annotations
 
