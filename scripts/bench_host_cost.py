@@ -21,7 +21,9 @@ Models (random init, nothing downloaded):
   cnn       the project's DigitsResNet (actnn_zoo.models) at batch 128, 28x28
 Modes: fp32 (the plain model), default (``convert_model(model)``: 2-bit average, actnn
 strategy, capture on), uniform-2 (2 bits everywhere, no strategy), no-capture (uniform 2 bits,
-``capture: false``), checkpoint (the plain model, ``torch.utils.checkpoint`` per block),
+``capture: false``); each of these three also with ``-python`` appended: the same conversion
+with the linear and conv layers' Python autograd Functions instead of their compiled nodes
+(``cpp_ext/qlayers.cpp``), so one run measures what the nodes save; checkpoint (the plain model, ``torch.utils.checkpoint`` per block),
 compiled-fp32 (``torch.compile`` of the plain model), compiled (``actnn_zoo.compile`` of the
 default conversion) and torch-compiled (``torch.compile`` of the default conversion: the
 Q-layers' traced forms), all with ``--backend`` (default inductor); the ratio of the last two
@@ -31,12 +33,13 @@ warm-up steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,9 +53,25 @@ from actnn_zoo.bench import host_work, interleaved_step_times  # noqa: E402
 from actnn_zoo.nn._base import QModule  # noqa: E402
 
 MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint", "compiled-fp32",
-         "compiled", "torch-compiled")
-OVERRIDES = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
-             "no-capture": {"bits": 2, "strategy": "uniform", "capture": False}}
+         "compiled", "torch-compiled", "default-python", "uniform-2-python",
+         "no-capture-python")
+CONVERSIONS = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
+               "no-capture": {"bits": 2, "strategy": "uniform", "capture": False}}
+OVERRIDES = {**CONVERSIONS, **{k + "-python": v for k, v in CONVERSIONS.items()}}
+
+
+@contextlib.contextmanager
+def python_functions() -> Iterator[None]:
+    """Linear and conv layers run their Python autograd Functions, as without the compiled
+    nodes (functional/linear.py and conv.py take a node only while these are set)."""
+    from actnn_zoo.functional import conv, linear
+
+    nodes = linear._QLINEAR, conv._QCONV
+    linear._QLINEAR = conv._QCONV = None
+    try:
+        yield
+    finally:
+        linear._QLINEAR, conv._QCONV = nodes
 
 
 class _Checkpointed(nn.Module):
@@ -153,8 +172,9 @@ def build_steps(name: str, modes: Sequence[str], backend: str = "inductor"
         elif mode != "fp32":
             raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
 
-        def step(model: nn.Module = model) -> None:
-            loss_of(model).backward()
+        def step(model: nn.Module = model, python: bool = mode.endswith("-python")) -> None:
+            with python_functions() if python else contextlib.nullcontext():
+                loss_of(model).backward()
             for p in model.parameters():
                 p.grad = None
         steps[mode] = step

@@ -65,3 +65,28 @@ def test_count_table_is_consistent(capsys):
     assert calls > float(fp32_calls) and ops > float(fp32_ops)
     assert extra_calls == pytest.approx((calls - float(fp32_calls)) / 123, abs=1)
     assert extra_ops == pytest.approx((ops - float(fp32_ops)) / 123, abs=1)
+
+
+def test_python_modes_run_the_python_functions(capsys):
+    """``default-python`` converts as ``default`` does and runs the linear layers' Python
+    Functions (the compiled nodes off for its steps only)."""
+    mod = _script()
+    steps, n_q = mod.build_steps("gpt2", ["default", "default-python"])
+    seen = {}
+    from actnn_zoo.functional import linear
+
+    real = linear.LinearFunction.apply
+
+    def spy(*args):
+        seen[mode] = seen.get(mode, 0) + 1
+        return real(*args)
+
+    linear.LinearFunction.apply = spy
+    try:
+        for mode in ("default", "default-python"):
+            steps[mode]()
+    finally:
+        linear.LinearFunction.apply = real
+    assert n_q == 123
+    assert seen.get("default", 0) == 0 and seen["default-python"] >= 48, seen
+    assert linear._QLINEAR is not None  # switched back on after the step
