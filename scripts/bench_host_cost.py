@@ -209,14 +209,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        rounds=args.rounds, clock=time.thread_time)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"\n{name}: {n_q} Q-modules when converted")
-        print(f"{'mode':14s} | {'ms/step':>8s} | {'x fp32':>7s} | {'extra us per Q-module':>22s}"
+        print(f"{'mode':17s} | {'ms/step':>8s} | {'x fp32':>7s} | {'extra us per Q-module':>22s}"
               f" | {'x c-fp32':>8s}")
         for k in modes:
             extra = (med[k] - med["fp32"]) * 1e3 / n_q if n_q and k in OVERRIDES else None
             cell = f"{extra:22.0f}" if extra is not None else " " * 22
             vs = (f"{med[k] / med['compiled-fp32']:8.2f}" if k in ("compiled", "torch-compiled")
                   and "compiled-fp32" in med else "")
-            print(f"{k:14s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell} | {vs}")
+            print(f"{k:17s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell} | {vs}")
         if args.count:
             _print_work(steps, modes, n_q)
     return 0
@@ -226,13 +226,13 @@ def _print_work(steps: Dict[str, Callable[[], None]], modes: Sequence[str], n_q:
     """Python calls and torch operators per step, and per Q-module over fp32's."""
     work = {k: host_work(steps[k]) for k in modes}
     base = work["fp32"]
-    print(f"{'mode':14s} | {'Python calls':>12s} | {'extra/Q-module':>14s} | {'aten ops':>8s} | "
+    print(f"{'mode':17s} | {'Python calls':>12s} | {'extra/Q-module':>14s} | {'aten ops':>8s} | "
           f"{'extra/Q-module':>14s}")
     for k in modes:
         w = work[k]
         per = (lambda a, b: f"{(a - b) / n_q:14.0f}") if n_q and k in OVERRIDES else \
             (lambda a, b: " " * 14)
-        print(f"{k:14s} | {w.python_calls:12.0f} | {per(w.python_calls, base.python_calls)} | "
+        print(f"{k:17s} | {w.python_calls:12.0f} | {per(w.python_calls, base.python_calls)} | "
               f"{w.aten_ops:8.0f} | {per(w.aten_ops, base.aten_ops)}")
 
 
