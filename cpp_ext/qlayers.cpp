@@ -1,5 +1,5 @@
-// The autograd nodes of QLinear and QConv in C++: the forward is torch's op, the backward
-// decodes the saved input codes and makes the gradients, with no Python on the way.
+// The autograd nodes of QLinear, QConv and QDropout in C++: the forward is torch's op, the
+// backward decodes what was saved and makes the gradients, with no Python on the way.
 //
 // Why: a Python autograd Function costs the host tens of microseconds per call on top of its
 // ops (apply, ctx, the saved-tensor bookkeeping, the Python backward node and its glue), as
@@ -343,6 +343,57 @@ at::Tensor qconv(const at::Tensor& x, const at::Tensor& weight, const OptTensor&
                               std::move(dilation), groups, large);
 }
 
+// -- Dropout --------------------------------------------------------------------------------
+// out = x * noise, the noise (kept values at 1 / (1 - p), dropped at 0) drawn in Python as
+// torch's CPU dropout draws it; saved: its keep bits (pack_compare). Backward: grad * scale
+// where kept, grad * 0.0 where dropped (the fused masked_grad kernel; torch.where of the same
+// products when backward builds a graph), `scale` = 1 / (1 - p) rounded to the noise dtype.
+struct QDropoutFunction : public torch::autograd::Function<QDropoutFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& noise,
+                            const at::Tensor& packed, double scale) {
+    RECORD_USER_SCOPE("actnn_zoo::qdropout");
+    at::Tensor out = x * noise;
+    ctx->save_for_backward({packed});
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_USER_SCOPE("actnn_zoo::qdropout_backward");
+    const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor packed = ctx->get_saved_variables()[0];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const at::Tensor& g = grads[0];
+    at::Tensor gx;
+    if (at::GradMode::is_enabled() || g.numel() == 0) {  // differentiable in grad
+      static const auto unpack = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("actnn_zoo::unpack_mask", "")
+                                     .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef)>();
+      const at::Tensor keep = unpack.call(packed, c10::fromIntArrayRefSlow(g.sizes()));
+      gx = at::where(keep, g * scale, g * 0.0);
+    } else if (g.device().is_cpu()) {
+      gx = masked_grad_cpu(g.contiguous(), packed, scale, 0.0);
+    } else {
+#ifdef ACTNN_ZOO_CUDA
+      const c10::DeviceGuard guard(g.device());
+      gx = masked_grad_cuda(g.contiguous(), packed, scale, 0.0);
+#else
+      TORCH_CHECK(false, "actnn_zoo: no masked_grad kernel for tensors on ", g.device());
+#endif
+    }
+    return {gx, {}, {}, {}};
+  }
+};
+
+at::Tensor qdropout(const at::Tensor& x, const at::Tensor& noise, const at::Tensor& packed,
+                    double scale) {
+  TORCH_CHECK_VALUE(noise.sizes() == x.sizes() && packed.scalar_type() == at::kByte &&
+                    packed.numel() == (x.numel() + 7) / 8,
+                    "qdropout: noise must have x's shape ", x.sizes(), " and packed hold one bit "
+                    "per value, got ", noise.sizes(), " and ", packed.numel(), " bytes");
+  return QDropoutFunction::apply(x, noise, packed, scale);
+}
+
 }  // namespace
 
 void register_qlayers(pybind11::module_& m) {
@@ -363,6 +414,10 @@ void register_qlayers(pybind11::module_& m) {
         "y = conv{1,2,3}d(x, weight, bias, stride, padding, dilation, groups) whose backward "
         "decodes x from its codes (as qlinear) for the weight gradient; `large`: the weight "
         "gradient first and the decoded input freed before the input gradient is made.");
+  m.def("qdropout", &qdropout, py::arg("x"), py::arg("noise"), py::arg("packed"),
+        py::arg("scale"),
+        "out = x * noise (elementwise dropout's scaled noise) whose backward is grad * scale "
+        "where `packed` (its keep bits) is set and grad * 0.0 elsewhere.");
 }
 
 }  // namespace actnn_zoo

@@ -22,8 +22,8 @@ Models (random init, nothing downloaded):
 Modes: fp32 (the plain model), default (``convert_model(model)``: 2-bit average, actnn
 strategy, capture on), uniform-2 (2 bits everywhere, no strategy), no-capture (uniform 2 bits,
 ``capture: false``); each of these three also with ``-python`` appended: the same conversion
-with the linear and conv layers' Python autograd Functions instead of their compiled nodes
-(``cpp_ext/qlayers.cpp``), so one run measures what the nodes save; checkpoint (the plain model, ``torch.utils.checkpoint`` per block),
+with the linear, conv and dropout layers' Python autograd Functions instead of their compiled
+nodes (``cpp_ext/qlayers.cpp``), so one run measures what the nodes save; checkpoint (the plain model, ``torch.utils.checkpoint`` per block),
 compiled-fp32 (``torch.compile`` of the plain model), compiled (``actnn_zoo.compile`` of the
 default conversion) and torch-compiled (``torch.compile`` of the default conversion: the
 Q-layers' traced forms), all with ``--backend`` (default inductor); the ratio of the last two
@@ -62,16 +62,17 @@ OVERRIDES = {**CONVERSIONS, **{k + "-python": v for k, v in CONVERSIONS.items()}
 
 @contextlib.contextmanager
 def python_functions() -> Iterator[None]:
-    """Linear and conv layers run their Python autograd Functions, as without the compiled
-    nodes (functional/linear.py and conv.py take a node only while these are set)."""
-    from actnn_zoo.functional import conv, linear
+    """Linear, conv and dropout layers run their Python autograd Functions, as without the
+    compiled nodes (functional/linear.py, conv.py and dropout.py take a node only while these
+    are set)."""
+    from actnn_zoo.functional import conv, dropout, linear
 
-    nodes = linear._QLINEAR, conv._QCONV
-    linear._QLINEAR = conv._QCONV = None
+    nodes = linear._QLINEAR, conv._QCONV, dropout._QDROPOUT
+    linear._QLINEAR = conv._QCONV = dropout._QDROPOUT = None
     try:
         yield
     finally:
-        linear._QLINEAR, conv._QCONV = nodes
+        linear._QLINEAR, conv._QCONV, dropout._QDROPOUT = nodes
 
 
 class _Checkpointed(nn.Module):

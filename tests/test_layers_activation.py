@@ -442,7 +442,7 @@ def test_dropout_same_stream_as_torch_cpu(make, shape, inplace):
     y_ref, g_ref, grad = run(make(inplace), x)
     torch.manual_seed(7)
     y_q, g_q, _ = run(_q(make(inplace)), x, grad)
-    assert type(y_q.grad_fn).__name__ == "DropoutFunctionBackward"
+    assert "DropoutFunction" in y_q.grad_fn.name()  # the Python Function or the compiled node
     assert_identical(y_q, y_ref)
     assert_identical(g_q, g_ref)
 

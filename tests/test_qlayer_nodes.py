@@ -260,3 +260,54 @@ def test_sparse_relu_codes_go_through_the_node(monkeypatch):
     assert results[0][1] == results[1][1]
     for a, b in zip(results[0][2], results[1][2]):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+       p=st.sampled_from([0.1, 0.5, 0.9]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+def test_dropout_node_equals_the_python_function(shape, p, dtype):
+    from actnn_zoo.functional import dropout as fdrop
+
+    g0 = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g0).to(dtype)
+    g = torch.randn(shape, generator=g0).to(dtype)
+
+    def run():
+        torch.manual_seed(3)
+        xi = x.clone().requires_grad_(True)
+        out = fdrop.dropout(xi, p)
+        out.backward(g)
+        return out, [xi.grad]
+
+    torch.manual_seed(3)
+    ref = torch.nn.functional.dropout(x, p, True)  # torch's own draw: the same noise
+    out, got = run()
+    assert "QDropoutFunction" in out.grad_fn.name()
+    assert torch.equal(out, ref)
+    saved = fdrop._QDROPOUT
+    try:
+        fdrop._QDROPOUT = None
+        out2, want = run()
+    finally:
+        fdrop._QDROPOUT = saved
+    assert out2.grad_fn.name() == "DropoutFunctionBackward"
+    assert torch.equal(out, out2) and torch.equal(got[0], want[0])
+
+
+def test_dropout_node_double_backward_and_other_cases():
+    from actnn_zoo.functional import dropout as fdrop
+
+    x = torch.randn(4, 6, requires_grad=True)
+    torch.manual_seed(0)
+    out = fdrop.dropout(x, 0.3)
+    assert "QDropoutFunction" in out.grad_fn.name()
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    (gxx,) = torch.autograd.grad(gx.sum(), x)  # d/dx sum(2 * out * keep / (1 - p))
+    keep = (out != 0).to(x.dtype) / 0.7
+    torch.testing.assert_close(gxx, 2 * keep * keep)
+    # in place, channels_last and feature dropout keep the Python Function
+    assert fdrop.dropout(x.clone(), 0.3, inplace=True).grad_fn.name() != out.grad_fn.name()
+    y = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    assert fdrop.dropout(y, 0.3).grad_fn.name() == "DropoutFunctionBackward"
+    assert fdrop.dropout2d(y, 0.3).grad_fn.name() == "DropoutFunctionBackward"

@@ -19,9 +19,14 @@ from .._session import active_session
 from ._saving import load, save
 from ..quant import ops, pack_compare
 from ..quant.api import dropout_scale
+from ..quant.backend import extension
 from .activation import load_mask, masked_grad_in, memory_perm, to_memory_order
 
 __all__ = ["DropoutFunction", "PackedMaskDropout", "dropout", "dropout1d", "dropout2d", "dropout3d"]
+
+# The compiled autograd node of elementwise dropout (cpp_ext/qlayers.cpp), None without it.
+_QDROPOUT = getattr(extension(), "qdropout", None)
+_CUDA_NODES = bool(getattr(extension(), "has_cuda", False))
 
 
 def _check_p(p: float) -> None:
@@ -119,7 +124,27 @@ def dropout(x: Tensor, p: float = 0.5, inplace: bool = False) -> Tensor:
     _check_p(p)
     if _trivial(x, p):
         return torch.nn.functional.dropout(x, p, True, inplace)
+    if _QDROPOUT is not None and not inplace and type(x) is Tensor and x.is_contiguous() \
+            and (x.device.type == "cpu" or _CUDA_NODES):
+        return _dropout_node(x, p)
     return DropoutFunction.apply(x, p, None, inplace)
+
+
+def _dropout_node(x: Tensor, p: float) -> Tensor:
+    """:class:`DropoutFunction`'s forward, elementwise and out of place, with the compiled
+    autograd node ``_C.qdropout`` (cpp_ext/qlayers.cpp) instead of the Python Function: the
+    same noise, output, saved bits and gradient, no Python in backward."""
+    noise = torch.empty_like(x)
+    noise.bernoulli_(1 - p)
+    packed = pack_compare(noise, "gt", 0.0)  # the bits of noise != 0
+    noise.div_(1 - p)
+    session = active_session()
+    if session is not None:
+        session.store.keep(packed)  # what is saved is final (and counted as a Function's)
+    out = _QDROPOUT(x, noise, packed, dropout_scale(noise.dtype, p))
+    if session is not None:  # as DropoutFunction: a later save of out may reuse x's payload
+        session.store.derive(out, x, packed, p)
+    return out
 
 
 def _feature(x: Tensor, p: float, inplace: bool, batched: bool, plain) -> Tensor:
