@@ -5,7 +5,8 @@ noise is drawn exactly as torch's own CPU implementation draws it
 (``empty_like(x).bernoulli_(1 - p)``, or ``new_empty(N, C, 1, ...)`` for feature dropout),
 so with the same generator state the output is the same as torch's; only the packed mask
 is kept. Backward rebuilds the scaled noise ``mask / (1 - p)`` in the input dtype, exactly as
-torch computes it, so gradients are identical too.
+torch computes it, so gradients are identical too. Elementwise dropout out of place on a
+contiguous input runs as the compiled autograd node ``_C.qdropout`` (no Python in backward).
 """
 from __future__ import annotations
 
