@@ -102,3 +102,20 @@ def test_the_hand_off_is_for_one_tensor_at_one_version():
     slot.hand_derivative(x, d)
     slot.hand_derivative(x, None)  # withdrawn
     assert slot.take_derivative(x) is None
+
+
+def test_acgc_hands_its_derivative_on_too(monkeypatch):
+    """The acgc strategy computes f'(x) on its recording steps for the same reason: the layer
+    takes it there as well (one derivative per forward), with the same gradients."""
+    torch.manual_seed(0)
+    model = az.convert_model(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)),
+                             strategy="acgc")
+    twin = copy.deepcopy(model)
+    sizes, gx, gp = _step(model, aten.gelu_backward.default)
+    assert sizes == [8 * 64]  # the first step records
+    monkeypatch.setattr(ThreadWidths, "hand_derivative", lambda self, x, d: None)
+    sizes2, gx2, gp2 = _step(twin, aten.gelu_backward.default)
+    assert sizes2 == [8 * 64, 8 * 64]
+    assert torch.equal(gx, gx2)
+    for a, b in zip(gp, gp2):
+        assert torch.equal(a, b)

@@ -45,9 +45,9 @@ from torch import Tensor, nn
 
 from .._compile import EagerHook
 from ..quant import SampleBits
-from .base import PrecisionStrategy, TrackedLayer
+from .base import WIDTHS_ATTR, PrecisionStrategy, TrackedLayer
 from .readback import DeferredRead
-from .stats import (LayerKind, LayerStats, count_call, layer_kind, range_statistic,
+from .stats import (LayerKind, LayerStats, count_call, layer_kind, saved_statistic,
                     set_width)
 
 __all__ = ["ACGCStrategy", "WINDOW"]
@@ -116,10 +116,13 @@ class _Layer:
         step, recording = s.local.forward or (s.step, s.recording)
         record = recording and self.pinned_bits is None
         if record:
-            with torch.no_grad():
-                saved = self.kind.saved(module, rows)
-                r = range_statistic(saved, module.qconfig.group_size)  # type: ignore[attr-defined]
-                r_sum, values = r.sum(), float(saved.numel())
+            with torch.no_grad():  # (an activation's f'(x) is handed to the layer, stats.py)
+                r, made = saved_statistic(self.kind, module, rows,
+                                          module.qconfig.group_size)  # type: ignore[attr-defined]
+                r_sum, values = r.sum(), float(rows.numel())
+            slot = module.__dict__.get(WIDTHS_ATTR) if made is not None else None
+            if slot is not None:
+                slot.hand_derivative(x, made)
             fan = 4.0 * self.kind.fan(module, rows) if self.kind.modelled else 1.0
             if not self.kind.modelled and x.requires_grad:
                 x.register_hook(self.input_grad)
