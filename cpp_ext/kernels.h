@@ -72,6 +72,11 @@ at::Tensor dequantize_uniform_cpu(const at::Tensor& data, const at::Tensor& lo,
 // Flat bool -> ceil(n / 8) bytes, element i at bit i % 8 of byte i / 8; and back.
 at::Tensor pack_mask_cpu(const at::Tensor& mask);
 at::Tensor unpack_mask_cpu(const at::Tensor& packed, int64_t numel);
+// sparse_cpu.cpp: decode sparse codes (quantize_sparse's) into a contiguous (N, D) out
+at::Tensor dequantize_sparse_cpu(const at::Tensor& data, const at::Tensor& lo,
+                                 const at::Tensor& step, const at::Tensor& mask,
+                                 const at::Tensor& bits, const at::Tensor& offsets,
+                                 int64_t group_size, at::Tensor out);
 // Auto precision on the CPU (widths_cpu.cpp; the GPU runs the torch versions in
 // actnn_zoo/precision): (N,) float32 per-sample sum over groups of len * range^2 of a contiguous
 // (N, D) float tensor; and uint8 widths in {1, 2, 4, 8} for float32 scores under `extra` bits

@@ -4,15 +4,17 @@
 // Why: a Python autograd Function costs the host tens of microseconds per call on top of its
 // ops (apply, ctx, the saved-tensor bookkeeping, the Python backward node and its glue), as
 // much as the layer's own work at small sizes, where a GPU step is host-bound (docs/design.md,
-// "Host cost"). actnn_zoo/functional/linear.py and conv.py take these nodes in the common case
-// -- the plain quantizer (one width or per-sample widths), one dtype, no autocast, the input
-// decoded whole; for conv also a plain (not transposed) convolution with numeric zero padding
-// -- and their Python Functions otherwise. Both compute the same gradients from the same codes
+// "Host cost"). actnn_zoo/functional/linear.py, conv.py and dropout.py take these nodes in the
+// common case -- the plain quantizer (one width, per-sample widths or a ReLU output's sparse
+// codes), one dtype, no autocast, the input decoded whole; for conv a plain (not transposed)
+// convolution with numeric zero padding; for dropout elementwise, out of place, contiguous --
+// and their Python Functions otherwise. Both compute the same outputs and gradients
 // (tests/test_qlayer_nodes.py compares them bit for bit).
 //
-// The codes are made in Python (the capture store may answer from its cache) and saved here
-// with the weight through ctx->save_for_backward, so saved-tensor hooks see them as they see
-// the Python Functions' saves, and the weight keeps autograd's in-place check.
+// The codes (dropout: the noise and its keep bits) are made in Python, where the capture store
+// may answer from its cache, and saved here with the weight through ctx->save_for_backward:
+// saved-tensor hooks see them as they see the Python Functions' saves, and the weight keeps
+// autograd's in-place check.
 #include "kernels.h"
 
 #include <ATen/record_function.h>
@@ -30,16 +32,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<at::Tensor>;
-
-}  // namespace
-
-// sparse_cpu.cpp (CPU only)
-at::Tensor dequantize_sparse_cpu(const at::Tensor& data, const at::Tensor& lo,
-                                 const at::Tensor& step, const at::Tensor& mask,
-                                 const at::Tensor& bits, const at::Tensor& offsets,
-                                 int64_t group_size, at::Tensor out);
-
-namespace {
 
 // Backward computes in the forward's dtype whatever autocast state the caller's thread has
 // (the Python Functions' no_autocast).

@@ -447,7 +447,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
 
 }  // namespace
 
-// Also the decode of qlayers.cpp's nodes (declared there).
+// Declared in kernels.h: qlayers.cpp's nodes decode with it too.
 at::Tensor dequantize_sparse_cpu(const at::Tensor& data, const at::Tensor& lo,
                                  const at::Tensor& step, const at::Tensor& mask,
                                  const at::Tensor& bits, const at::Tensor& offsets,

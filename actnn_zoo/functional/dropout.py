@@ -22,12 +22,12 @@ from ..quant import ops, pack_compare
 from ..quant.api import dropout_scale
 from ..quant.backend import extension
 from .activation import load_mask, masked_grad_in, memory_perm, to_memory_order
+from .linear import _CUDA_NODES
 
 __all__ = ["DropoutFunction", "PackedMaskDropout", "dropout", "dropout1d", "dropout2d", "dropout3d"]
 
 # The compiled autograd node of elementwise dropout (cpp_ext/qlayers.cpp), None without it.
 _QDROPOUT = getattr(extension(), "qdropout", None)
-_CUDA_NODES = bool(getattr(extension(), "has_cuda", False))
 
 
 def _check_p(p: float) -> None:

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from .._compile import EagerHook
 from ..quant import SampleBits
-from .base import WIDTHS_ATTR, PrecisionStrategy, TrackedLayer
+from .base import PrecisionStrategy, TrackedLayer, hand_derivative
 from .readback import DeferredRead
 from .stats import (LayerKind, LayerStats, count_call, layer_kind, saved_statistic,
                     set_width)
@@ -120,9 +120,7 @@ class _Layer:
                 r, made = saved_statistic(self.kind, module, rows,
                                           module.qconfig.group_size)  # type: ignore[attr-defined]
                 r_sum, values = r.sum(), float(rows.numel())
-            slot = module.__dict__.get(WIDTHS_ATTR) if made is not None else None
-            if slot is not None:
-                slot.hand_derivative(x, made)
+            hand_derivative(module, x, made)
             fan = 4.0 * self.kind.fan(module, rows) if self.kind.modelled else 1.0
             if not self.kind.modelled and x.requires_grad:
                 x.register_hook(self.input_grad)

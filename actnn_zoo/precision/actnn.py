@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from .._compile import EagerHook
 from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
-from .base import WIDTHS_ATTR, PrecisionStrategy, TrackedLayer, set_sample_bits
+from .base import PrecisionStrategy, TrackedLayer, hand_derivative, set_sample_bits
 from .readback import DeferredRead
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
 from .stats import (LayerKind, LayerStats, layer_kind, sample_grad_sq, saved_statistic,
@@ -227,10 +227,7 @@ class _Watched:
         fan = self.kind.fan(module, rows)
         score, made = saved_statistic(self.kind, module, rows,
                                       module.qconfig.group_size)  # type: ignore[attr-defined]
-        if made is not None:  # f'(x): the layer uses it instead of making it again
-            slot = module.__dict__.get(WIDTHS_ATTR)
-            if slot is not None:
-                slot.hand_derivative(x, made)
+        hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
         exponent = self.exponent
         expected = score if exponent is None else score.pow(exponent)
         extra = extra_bits(budget, n)  # host number: budget is a host float

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..nn._base import QModule
 
 __all__ = ["TrackedLayer", "PrecisionStrategy", "UniformStrategy", "PRECISION_ATTR",
-           "WIDTHS_ATTR", "ThreadWidths", "ThreadState", "set_sample_bits"]
+           "WIDTHS_ATTR", "ThreadWidths", "ThreadState", "set_sample_bits", "hand_derivative"]
 
 PRECISION_ATTR = "actnn_zoo_precision"
 # the Q-layer attribute holding a strategy's per-thread widths (QModule.bits_for reads it)
@@ -96,6 +96,15 @@ def set_sample_bits(module: nn.Module, bits: Union[Tensor, Any, None]) -> None:
     slot = module.__dict__.get(WIDTHS_ATTR)
     if slot is not None:
         slot.bits = bits
+
+
+def hand_derivative(module: nn.Module, x: Tensor, derivative: Optional[Tensor]) -> None:
+    """Hand ``module``'s forward now running on this thread the f'(x) the strategy made from
+    its input ``x`` (``stats.saved_statistic``): the layer uses it instead of making it again
+    (``ThreadWidths.take_derivative``). Nothing for None or a layer without a slot."""
+    slot = module.__dict__.get(WIDTHS_ATTR)
+    if slot is not None and derivative is not None:
+        slot.hand_derivative(x, derivative)
 
 
 @dataclass(frozen=True)
