@@ -456,6 +456,151 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_codes_cpu(
   return {gi, gw, gb};
 }
 
+// The rows layout of codes at one width (rows back to back), as the kernels above read it.
+static std::pair<at::Tensor, at::Tensor> one_width_rows(int64_t n, int64_t d, int64_t bits,
+                                                        const at::TensorOptions& opts) {
+  TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8,
+                    "bits must be 1, 2, 4 or 8, got ", bits);
+  const int64_t row = (d * bits + 7) / 8;
+  at::Tensor row_bits = at::full({n}, bits, opts.dtype(at::kByte));
+  at::Tensor offsets = at::empty({n + 1}, opts.dtype(at::kLong));
+  int64_t* o = offsets.data_ptr<int64_t>();
+  for (int64_t i = 0; i <= n; ++i) o[i] = i * row;
+  return {row_bits, offsets};
+}
+
+// Training batch norm's forward and what it saves, in one call (CPU, contiguous float32
+// (N, C, *), one width): torch's native_batch_norm (running statistics updated in place), the
+// codes of x_hat = (x - mean) * invstd (quantize_affine_uniform_cpu, rows of x) and, for
+// var_stride > 0, the 1-bit codes of its rounding variances sampled at offset + k * var_stride
+// (rounding_variance_codes_cpu; offset and seed drawn after the codes' seed, as
+// _rounding_variance.draw_sample draws them). What functional/norm.py's BatchNormFunction made
+// through ~40 Python calls; equal to that path bit for bit. Returns (out, mean, invstd, data,
+// lo, step, variance codes or undefined, offset).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           int64_t>
+batch_norm_forward_codes_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& running_mean,
+                             const std::optional<at::Tensor>& running_var, double momentum,
+                             double eps, int64_t bits, int64_t group_size, int64_t seed,
+                             bool stochastic, int64_t var_stride) {
+  RECORD_USER_SCOPE("actnn_zoo::batch_norm_forward_codes");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 2 &&
+                        x.is_contiguous() && x.numel() > 0,
+                    "batch_norm_forward_codes: x must be a non-empty contiguous float32 CPU "
+                    "tensor (N, C, *), got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK_VALUE(var_stride >= 0, "var_stride must be >= 0, got ", var_stride);
+  auto [out, mean, invstd] = at::native_batch_norm(x, weight, bias, running_mean, running_var,
+                                                   true, momentum, eps);
+  const int64_t n = x.size(0), c = x.size(1), d = x.numel() / n, s = d / c;
+  auto [data, lo, step] = quantize_affine_uniform_cpu(x.view({n, d}), mean, invstd, 0, s, bits,
+                                                      group_size, seed & 0xFFFFFFFF,
+                                                      stochastic);
+  at::Tensor var;
+  int64_t offset = 0;
+  if (var_stride > 0) {
+    const auto [off, var_seed] = draw_sample_cpu(var_stride);
+    offset = off;
+    var = rounding_variance_codes_cpu(lo, step, std::nullopt, bits, group_size, x, mean, invstd,
+                                      s, c, offset, var_stride, var_seed);
+  }
+  return {out, mean, invstd, data, lo, step, var, offset};
+}
+
+// Its backward in one call: batch_norm_backward_codes_cpu from the codes (one width, rows back
+// to back), then, when variance codes were saved, the input gradient's rounding-variance
+// correction (rounding_variance_correct_cpu: + invstd * w * g * Var_hat / m per channel of m
+// values). grad (N, C, *) float32, any strides. Returns (grad_input or undefined, grad_weight,
+// grad_bias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_fused_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    int64_t bits, int64_t group_size, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
+    int64_t var_offset, int64_t var_stride, bool need_input) {
+  TORCH_CHECK_VALUE(grad.dim() >= 2 && grad.numel() > 0,
+                    "batch_norm_backward_fused: grad must be a non-empty (N, C, *) tensor, got "
+                    "shape ", grad.sizes());
+  const int64_t n = grad.size(0), c = grad.size(1);
+  const at::Tensor g3 = grad.contiguous().view({n, c, -1});
+  const int64_t s = g3.size(2);
+  const auto [row_bits, offsets] = one_width_rows(n, c * s, bits, grad.options());
+  auto [gi, gw, gb] = batch_norm_backward_codes_cpu(g3, data, lo, step, row_bits, offsets,
+                                                    group_size, invstd, weight, need_input);
+  if (need_input) {
+    if (var.has_value() && var->defined()) {
+      rounding_variance_correct_cpu(gi, g3, *var, var_offset, var_stride, invstd, s, c, weight,
+                                    s, c, static_cast<double>(n * s));
+    }
+    gi = gi.view(grad.sizes());
+  }
+  return {gi, gw, gb};
+}
+
+// Layer norm's forward and its save in one call, as batch_norm_forward_codes above: torch's
+// native_layer_norm over the last dims (`normalized_shape`, fewer dims than x), the codes of
+// x_hat = (x - mean) * rstd per row of those dims, the sampled rounding variances.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           int64_t>
+layer_norm_forward_codes_cpu(const at::Tensor& x, at::IntArrayRef normalized_shape,
+                             const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias, double eps, int64_t bits,
+                             int64_t group_size, int64_t seed, bool stochastic,
+                             int64_t var_stride) {
+  RECORD_USER_SCOPE("actnn_zoo::layer_norm_forward_codes");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat &&
+                        x.dim() > static_cast<int64_t>(normalized_shape.size()) &&
+                        x.is_contiguous() && x.numel() > 0,
+                    "layer_norm_forward_codes: x must be a non-empty contiguous float32 CPU "
+                    "tensor with more dims than normalized_shape, got ", x.scalar_type(),
+                    " of shape ", x.sizes());
+  TORCH_CHECK_VALUE(var_stride >= 0, "var_stride must be >= 0, got ", var_stride);
+  auto [out, mean, rstd] = at::native_layer_norm(x, normalized_shape, weight, bias, eps);
+  const int64_t n = x.size(0), d = x.numel() / n, f = c10::multiply_integers(normalized_shape);
+  auto [data, lo, step] = quantize_affine_uniform_cpu(
+      x.view({n, d}), mean.reshape(-1), rstd.reshape(-1), d / f, f, bits, group_size,
+      seed & 0xFFFFFFFF, stochastic);
+  at::Tensor var;
+  int64_t offset = 0;
+  if (var_stride > 0) {
+    const auto [off, var_seed] = draw_sample_cpu(var_stride);
+    offset = off;
+    var = rounding_variance_codes_cpu(lo, step, std::nullopt, bits, group_size, x, mean, rstd,
+                                      f, 0, offset, var_stride, var_seed);
+  }
+  return {out, mean, rstd, data, lo, step, var, offset};
+}
+
+// Its backward in one call: layer_norm_backward_codes_cpu, then the correction (+ rstd * w *
+// g * Var_hat / f per row of f values). Returns (grad_input or undefined, grad_weight,
+// grad_bias), the last two flat (f,).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_fused_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    int64_t bits, int64_t group_size, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
+    int64_t var_offset, int64_t var_stride, int64_t normalized_numel, bool need_input) {
+  const int64_t f = normalized_numel;
+  TORCH_CHECK_VALUE(grad.dim() >= 2 && grad.numel() > 0 && f > 0 && grad.numel() % f == 0 &&
+                        (grad.numel() / grad.size(0)) % f == 0,
+                    "layer_norm_backward_fused: rows of ", f, " values do not tile the samples "
+                    "of a gradient of shape ", grad.sizes());
+  const int64_t n = grad.size(0), d = grad.numel() / n;
+  const at::Tensor g2 = grad.contiguous().view({-1, f});
+  const auto [row_bits, offsets] = one_width_rows(n, d, bits, grad.options());
+  std::optional<at::Tensor> w;
+  if (weight.has_value()) w = weight->reshape(-1);
+  auto [gi, gw, gb] = layer_norm_backward_codes_cpu(g2, data, lo, step, row_bits, offsets,
+                                                    group_size, rstd.reshape(-1), w, need_input);
+  if (need_input) {
+    if (var.has_value() && var->defined()) {
+      rounding_variance_correct_cpu(gi, g2, *var, var_offset, var_stride, rstd, f, 0, w, 1, f,
+                                    static_cast<double>(f));
+    }
+    gi = gi.view(grad.sizes());
+  }
+  return {gi, gw, gb};
+}
+
 using NormCodes = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
@@ -470,6 +615,37 @@ void def_norm(pybind11::module_& m, const char* name, NormCodes fn, const char* 
 }
 
 void register_norm(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("batch_norm_forward_codes", &batch_norm_forward_codes_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("momentum"),
+        py::arg("eps"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
+        py::arg("stochastic"), py::arg("var_stride"),
+        "Training batch norm's forward with its save: (out, mean, invstd, data, lo, step, "
+        "variance codes or None, variance offset) for contiguous float32 x (N, C, *); codes of "
+        "x_hat at one width, variances sampled when var_stride > 0. CPU only.");
+  m.def("batch_norm_backward_fused", &batch_norm_backward_fused_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
+        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("group_size"),
+        py::arg("invstd"), py::arg("weight"), py::arg("var"), py::arg("var_offset"),
+        py::arg("var_stride"), py::arg("need_input"),
+        "batch_norm_backward_codes of one width's codes plus the rounding-variance correction "
+        "of the input gradient: (grad_input or None, grad_weight, grad_bias). CPU only.");
+  m.def("layer_norm_forward_codes", &layer_norm_forward_codes_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("normalized_shape"),
+        py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("bits"),
+        py::arg("group_size"), py::arg("seed"), py::arg("stochastic"), py::arg("var_stride"),
+        "Layer norm's forward with its save: (out, mean, rstd, data, lo, step, variance codes "
+        "or None, variance offset) for contiguous float32 x; as batch_norm_forward_codes. "
+        "CPU only.");
+  m.def("layer_norm_backward_fused", &layer_norm_backward_fused_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
+        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("group_size"),
+        py::arg("rstd"), py::arg("weight"), py::arg("var"), py::arg("var_offset"),
+        py::arg("var_stride"), py::arg("normalized_numel"), py::arg("need_input"),
+        "layer_norm_backward_codes of one width's codes plus the rounding-variance correction "
+        "of the input gradient: (grad_input or None, grad_weight (f,), grad_bias (f,)). CPU "
+        "only.");
   def_norm(m, "batch_norm_backward_codes", &batch_norm_backward_codes_cpu, "invstd",
            "Training batch norm's backward from the codes of its saved x_hat: grad (N, C, S) "
            "float32 -> (grad_input or None, grad_weight, grad_bias), float32 "
@@ -478,7 +654,6 @@ void register_norm(pybind11::module_& m) {
            "Layer norm's backward from the codes of its saved x_hat: grad (rows, features) "
            "float32, rows a multiple of the coded samples -> (grad_input or None, "
            "grad_weight, grad_bias), float32 (reference.layer_norm_backward_codes). CPU only.");
-  namespace py = pybind11;
   m.def("group_norm_backward_codes", &group_norm_backward_codes_cpu,
         py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
         py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("offsets"),

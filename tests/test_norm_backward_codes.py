@@ -146,7 +146,10 @@ def test_bad_input_is_named():
 def _layer_grads(model, x, g, kernel: str, reads: bool, monkeypatch):
     """Gradients of ``model`` (input first, then parameters) with the codes path on or off
     (``reads``), checked equal when the retained graph is run again, and how many times the
-    ``kernel`` wrapper of functional/norm.py ran."""
+    ``kernel`` wrapper of functional/norm.py ran. The norms' fused forward and backward
+    (tests/test_norm_fused.py: equal to this path) are off, so the Python path runs."""
+    monkeypatch.setattr(fnorm, "_BN_FORWARD", None)
+    monkeypatch.setattr(fnorm, "_LN_FORWARD", None)
     calls = []
     real = getattr(fnorm, kernel)
     monkeypatch.setattr(fnorm, kernel, lambda *a: calls.append(1) or real(*a))

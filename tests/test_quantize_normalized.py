@@ -114,8 +114,12 @@ def test_bad_input_is_named():
 @pytest.mark.parametrize("strategy", ["uniform", "default"])
 def test_norms_use_it_with_the_same_seeds_and_gradients(monkeypatch, capture, strategy):
     """The fused path draws the same seed at the same point as quantizing the made copy, so a
-    converted CNN's gradients are bit-identical either way (small maps: one quantize call)."""
+    converted CNN's gradients are bit-identical either way (small maps: one quantize call).
+    The norms' fused calls, which normalize the same way (tests/test_norm_fused.py), are off."""
     compiled_extension()
+    import actnn_zoo.functional.norm as fnorm
+    monkeypatch.setattr(fnorm, "_BN_FORWARD", None)
+    monkeypatch.setattr(fnorm, "_LN_FORWARD", None)
     calls = []
     real = api.quantize_normalized
     import actnn_zoo.functional._saving as saving

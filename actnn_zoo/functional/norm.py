@@ -47,6 +47,9 @@ from ..quant.norm_backward import (batch_norm_backward_codes, group_norm_backwar
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
                       load_codes, restore, sample_chunks, save, save_codes)
 from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
+from ..quant.api import draw_seed
+from ..quant.backend import extension
+from ..quant.norm_backward import channels_last
 from ._autocast import no_autocast
 from .linear import cast, dtype_of, first_order_only, memory_format_of
 
@@ -152,6 +155,31 @@ def _denormalize(x_hat: Tensor, mean: Tensor, invstd: Tensor, dtype: torch.dtype
 
 
 # -- BatchNorm ----------------------------------------------------------------------------------
+# One compiled call each for the common case's forward with its save and its backward
+# (cpp_ext/norm_cpu.cpp; None without the extension or in an older build): the Python path
+# below costs ~40 calls each way, the layer's largest host cost (docs/design.md, "Host cost").
+_BN_FORWARD = getattr(extension(), "batch_norm_forward_codes", None)
+_BN_BACKWARD = getattr(extension(), "batch_norm_backward_fused", None)
+_LN_FORWARD = getattr(extension(), "layer_norm_forward_codes", None)
+_LN_BACKWARD = getattr(extension(), "layer_norm_backward_fused", None)
+
+
+def _norm_fused(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                qconfig: LayerQConfig, bits: Bits, dt: torch.dtype, weight_index: int) -> bool:
+    """Whether a norm's fused forward (:data:`_BN_FORWARD`, :data:`_LN_FORWARD`) computes what
+    its Python path would: the CPU path that normalizes inside the quantizer and reads the
+    codes in backward (a contiguous non-empty float32 input, float32 affine parameters, no
+    autocast), the plain quantizer at one width, and an input that is saved (the input or the
+    weight, argument ``weight_index``, needs a gradient)."""
+    return (type(x) is Tensor and x.device.type == "cpu"
+            and x.dtype == torch.float32 and dt == torch.float32 and x.dim() >= 2
+            and x.is_contiguous() and x.numel() > 0
+            and (weight is None or weight.dtype == torch.float32)
+            and (bias is None or bias.dtype == torch.float32)
+            and qconfig.compressor == "quant" and qconfig.transform == "none"
+            and type(bits) is int and _needs_saved_input(ctx, weight_index))
+
+
 def _bn_probe(x: Tensor) -> Tensor:
     e = x.new_empty((0, 1))
     return F.batch_norm(e, None, None, training=True)
@@ -166,14 +194,29 @@ class BatchNormFunction(torch.autograd.Function):
                 running_mean: Optional[Tensor], running_var: Optional[Tensor], momentum: float,
                 eps: float, qconfig: LayerQConfig, bits: Bits) -> Tensor:
         dt = autocast_dtype(x, _bn_probe)
-        xc, w, b = _autocast_inputs(x, weight, bias, dt)
-        out, mean, invstd = torch.ops.aten.native_batch_norm(xc, w, b, running_mean, running_var,
-                                                             True, momentum, eps)
         ctx.eps = eps
         ctx.x_format = memory_format_of(x)
         ctx.chunks = qconfig.backward_chunks
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
         ctx.compute_dtype = dt
+        ctx.fused = None
+        if _BN_FORWARD is not None and _norm_fused(ctx, x, weight, bias, qconfig, bits, dt, 1):
+            # the same draws in the same order as below: the codes' seed, then the sample's
+            stochastic = qconfig.rounding == "stochastic"
+            stride = (norm_stride(x.numel() // x.shape[1])
+                      if stochastic and ctx.needs_input_grad[0] else 0)
+            out, mean, invstd, data, lo, step, var, offset = _BN_FORWARD(
+                x, weight, bias, running_mean, running_var, momentum, eps, bits,
+                qconfig.group_size, draw_seed() if stochastic else 0, stochastic, stride)
+            ctx.var_offset = (offset, stride) if var is not None else None
+            ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
+            x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits,
+                                  qconfig.group_size)
+            save(ctx, x_q, mean, invstd, weight, var)
+            return out
+        xc, w, b = _autocast_inputs(x, weight, bias, dt)
+        out, mean, invstd = torch.ops.aten.native_batch_norm(xc, w, b, running_mean, running_var,
+                                                             True, momentum, eps)
         x_q = None
         if _needs_saved_input(ctx, 1):
             x_q = _compress_normalized(xc, _per_channel(mean, xc), _per_channel(invstd, xc),
@@ -186,6 +229,9 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         first_order_only("QBatchNorm (batch_norm)")
+        fused = ctx.fused
+        if fused is not None and grad_out.dtype == torch.float32 and not channels_last(grad_out):
+            return _bn_backward_fused(ctx, grad_out, fused)
         x_q, mean, invstd, weight, var = load(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -217,6 +263,21 @@ class BatchNormFunction(torch.autograd.Function):
                               weight_stat=ch, divisor=go.numel() // go.shape[1])
         return (cast(gi, x_dtype) if need_x else None, cast(gw, w_dtype) if need_w else None,
                 cast(gb, b_dtype) if need_b else None) + (None,) * 6
+
+
+def _bn_backward_fused(ctx, grad_out: Tensor, fused: Tuple[int, int, bool, bool]
+                       ) -> Tuple[Optional[Tensor], ...]:
+    """:class:`BatchNormFunction`'s backward for a forward :data:`_BN_FORWARD` made, in one call
+    (:data:`_BN_BACKWARD`): the codes path and the correction below, on the same tensors."""
+    bits, group_size, has_weight, has_var = fused
+    saved = ctx.saved_tensors  # data, lo, step, mean, invstd[, weight][, variance codes]
+    weight = saved[5] if has_weight else None
+    var = saved[-1] if has_var else None
+    offset, stride = ctx.var_offset if has_var else (0, 0)
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    gi, gw, gb = _BN_BACKWARD(grad_out, saved[0], saved[1], saved[2], bits, group_size,
+                              saved[4], weight, var, offset, stride, need_x)
+    return (gi, gw if need_w else None, gb if need_b else None) + (None,) * 6
 
 
 def _channel_stat(x: Tensor) -> Stat:
@@ -372,11 +433,27 @@ class LayerNormFunction(torch.autograd.Function):
                 bias: Optional[Tensor], eps: float, qconfig: LayerQConfig, bits: Bits) -> Tensor:
         shape = list(normalized_shape)
         dt = autocast_dtype(x, lambda t: F.layer_norm(t.new_empty([0] + shape), shape))
-        xc, w, b = _autocast_inputs(x, weight, bias, dt)
-        out, mean, rstd = torch.ops.aten.native_layer_norm(xc, shape, w, b, eps)
         ctx.normalized_shape = shape
         ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
         ctx.compute_dtype = dt
+        ctx.fused = None
+        if (_LN_FORWARD is not None and len(shape) < x.dim()
+                and _norm_fused(ctx, x, weight, bias, qconfig, bits, dt, 2)):
+            # as BatchNormFunction's fused path: the same draws, one compiled call
+            stochastic = qconfig.rounding == "stochastic"
+            m = math.prod(shape)
+            stride = norm_stride(m) if stochastic and ctx.needs_input_grad[0] else 0
+            out, mean, rstd, data, lo, step, var, offset = _LN_FORWARD(
+                x, shape, weight, bias, eps, bits, qconfig.group_size,
+                draw_seed() if stochastic else 0, stochastic, stride)
+            ctx.var_offset = (offset, stride) if var is not None else None
+            ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
+            x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits,
+                                  qconfig.group_size)
+            save(ctx, x_q, mean, rstd, weight, bias, var)
+            return out
+        xc, w, b = _autocast_inputs(x, weight, bias, dt)
+        out, mean, rstd = torch.ops.aten.native_layer_norm(xc, shape, w, b, eps)
         x_q = None
         if _needs_saved_input(ctx, 2):
             x_q = _compress_normalized(xc, mean, rstd, qconfig, bits, maps=False)
@@ -388,6 +465,20 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         first_order_only("QLayerNorm (layer_norm)")
+        fused = ctx.fused
+        if fused is not None and grad_out.dtype == torch.float32 and not channels_last(grad_out):
+            bits, group_size, has_weight, has_var = fused
+            saved = ctx.saved_tensors  # data, lo, step, mean, rstd[, weight][, bias][, var]
+            weight = saved[5] if has_weight else None
+            offset, stride = ctx.var_offset if has_var else (0, 0)
+            need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
+                                      ctx.needs_input_grad[3])
+            shape = ctx.normalized_shape
+            gi, gw, gb = _LN_BACKWARD(grad_out, saved[0], saved[1], saved[2], bits, group_size,
+                                      saved[4], weight, saved[-1] if has_var else None, offset,
+                                      stride, math.prod(shape), need_x)
+            return (gi, None, gw.view(shape) if need_w else None,
+                    gb.view(shape) if need_b else None, None, None, None)
         x_q, mean, rstd, weight, bias, var = load(ctx)
         need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
                                   ctx.needs_input_grad[3])

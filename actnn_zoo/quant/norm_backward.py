@@ -28,8 +28,8 @@ from . import reference
 from .backend import kernels
 from .tensor import QuantizedTensor
 
-__all__ = ["batch_norm_backward_codes", "group_norm_backward_codes", "layer_norm_backward_codes",
-           "reads_codes"]
+__all__ = ["batch_norm_backward_codes", "channels_last", "group_norm_backward_codes",
+           "layer_norm_backward_codes", "reads_codes"]
 
 
 def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor],
@@ -45,11 +45,12 @@ def reads_codes(grad: Tensor, q: object, invstd: Tensor, weight: Optional[Tensor
             and grad.device.type == "cpu" and grad.dim() >= 2
             and grad.dtype == torch.float32 and invstd.dtype == torch.float32
             and (weight is None or weight.dtype == torch.float32)
-            and tuple(grad.shape) == tuple(q.shape) and not _channels_last(grad)
+            and tuple(grad.shape) == tuple(q.shape) and not channels_last(grad)
             and getattr(kernels(grad.device), kernel, None) is not None)
 
 
-def _channels_last(t: Tensor) -> bool:
+def channels_last(t: Tensor) -> bool:
+    """Whether ``t`` is laid out channels-last (and not also plainly contiguous)."""
     if t.is_contiguous():
         return False
     fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
