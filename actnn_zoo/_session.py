@@ -88,6 +88,10 @@ class ClaimStore(Protocol):
 
     _probe_ptr: Optional[int]
 
+    def probe_leaf(self) -> Tensor:
+        """The leaf :func:`save_probe` saves for this store (one per store), its storage's
+        address in ``_probe_ptr`` while the probe runs."""
+
     def claim(self, out: Tensor, claim: "ZeroCodeClaim", slot: "ZeroCodeSlot") -> None:
         """The first plain compression of ``out`` in this forward answers ``claim``."""
 
@@ -184,13 +188,15 @@ class ZeroCodeClaim:
 
 
 def save_probe(store: Optional[ClaimStore] = None) -> None:
-    """One tiny op that saves a tensor (two 2-element saves); ``store``: note its storage so
-    that the store's pack hook can tell whether it saw it."""
-    probe = torch.zeros(2, requires_grad=True)
-    if store is not None:
-        store._probe_ptr = storage_ptr(probe)
-    with torch.enable_grad():
-        probe.mul(probe)
+    """One tiny op that saves one tensor (``sin`` saves its 2-element input); ``store``: its
+    probe (made once per store, its storage noted) so that the store's pack hook can tell
+    whether it saw it."""
+    probe = torch.zeros(2, requires_grad=True) if store is None else store.probe_leaf()
+    if torch.is_grad_enabled():
+        probe.sin()
+    else:
+        with torch.enable_grad():
+            probe.sin()
 
 
 def dense_order(t: Tensor) -> Optional[Tuple[int, ...]]:

@@ -264,6 +264,27 @@ at::Tensor allocate_widths(const at::Tensor& score, double extra) {
   return actnn_zoo::allocate_widths_cpu(score, extra);
 }
 
+// One training forward's per-sample widths of a watched layer (precision/actnn.py, _choose):
+// range_statistic of x's rows (the contract's: dim 0 the sample), raised to `exponent` when
+// given (a 0-d float32 tensor: torch's pow, as score.pow(exponent)), then allocate_widths.
+// Returns (score, widths): one call for three (each a pybind crossing and a Python frame on a
+// path that runs per layer per step), x read as it is (no detached row view made first).
+std::tuple<at::Tensor, at::Tensor> choose_widths(const at::Tensor& x, int64_t group_size,
+                                                 const std::optional<at::Tensor>& exponent,
+                                                 double extra) {
+  RECORD_USER_SCOPE("actnn_zoo::choose_widths");
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.is_contiguous(),
+                    "choose_widths: x must be contiguous with a sample dim, got shape ",
+                    x.sizes());
+  const at::NoGradGuard no_grad;  // the row view below is for the kernel, not the graph
+  const auto [n, d] = actnn_zoo::contract_rows(x.sizes());
+  at::Tensor score = actnn_zoo::range_statistic_cpu(x.view({n, d}), group_size);
+  at::Tensor expected = exponent.has_value() ? score.pow(*exponent) : score;
+  TORCH_CHECK_VALUE(expected.scalar_type() == at::kFloat,
+                    "exponent must leave the float32 scores float32, got ", expected.scalar_type());
+  return {score, actnn_zoo::allocate_widths_cpu(expected.contiguous(), extra)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -328,6 +349,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("extra"),
         "CPU only: uint8 widths in {1, 2, 4, 8} minimising sum score / (2^b - 1)^2 with at most "
         "`extra` bits above 1 each (precision.solver.allocate_samples).");
+  m.def("choose_widths", &choose_widths, nogil, py::arg("x"), py::arg("group_size"),
+        py::arg("exponent"), py::arg("extra"),
+        "CPU only: (range_statistic of x's rows, allocate_widths(that ** exponent, extra)) for "
+        "contiguous x with a sample dim; exponent a 0-d float32 tensor or None (1).");
   actnn_zoo::register_hadamard(m);
   actnn_zoo::register_division(m);  // division_quantize, division_dequantize
   actnn_zoo::register_pack_compare(m);

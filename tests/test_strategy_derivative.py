@@ -119,3 +119,40 @@ def test_acgc_hands_its_derivative_on_too(monkeypatch):
     assert torch.equal(gx, gx2)
     for a, b in zip(gp, gp2):
         assert torch.equal(a, b)
+
+
+def test_fused_width_choice_equals_the_three_steps(monkeypatch):
+    """Conv and linear layers choose their per-sample widths in one compiled call on the CPU
+    (``_C.choose_widths``: the range statistic, its power, the widths); over steps past the
+    first re-allocations (a refitted exponent) the widths, hence codes and gradients, are those
+    of the three separate steps, bit for bit."""
+    import actnn_zoo.precision.actnn as A
+    if A._CHOOSE is None:
+        pytest.skip("no compiled extension")
+    calls = []
+    real = A._CHOOSE
+    monkeypatch.setattr(A, "_CHOOSE", lambda *a: calls.append(a[2] is not None) or real(*a))
+
+    def run(fused: bool) -> list:
+        if not fused:
+            monkeypatch.setattr(A, "_CHOOSE", None)
+        torch.manual_seed(0)
+        model = az.convert_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(),
+                                               nn.Linear(8 * 36, 5)),
+                                 bits=2.5, strategy="actnn", update_interval=3)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for step in range(8):
+            x = torch.randn(6, 3, 8, 8, generator=g) * torch.linspace(0.1, 5, 6)[:, None, None,
+                                                                                None]
+            torch.manual_seed(100 + step)
+            model(x).square().sum().backward()
+            out += [p.grad.clone() for p in model.parameters()]
+            out += [model[0].precision_stats.bits.clone(), model[3].precision_stats.bits.clone()]
+            model.zero_grad()
+        return out
+    fused = run(True)
+    assert len(calls) == 16 and any(calls)  # both layers, every step; a fitted exponent later
+    plain = run(False)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)

@@ -289,6 +289,8 @@ class CompressedStore:
         self._claims: Dict[tuple, Tuple[ZeroCodeClaim, ZeroCodeSlot]] = {}
         self._probe_ptr: Optional[int] = None
         self._probe_seen = False
+        self._probe_leaf: Optional[Tensor] = None  # what hooks_innermost's probe saves
+        self._probe_leaf_ptr = -1
         # Outer hooks (set by the session before it enters its hooks): ``hooks`` is the
         # session's own saved_tensors_hooks context, left and re-entered around each box
         self.boxing = False
@@ -401,12 +403,19 @@ class CompressedStore:
         runs it also outside sessions, so that a checkpoint counts the same saves in the
         forward and in its recomputation)."""
         self._probe_seen = False
-        self._probe_ptr = -1
         try:
             save_probe(self)
         finally:
             self._probe_ptr = None
         return self._probe_seen
+
+    def probe_leaf(self) -> Tensor:
+        leaf = self._probe_leaf
+        if leaf is None:
+            leaf = self._probe_leaf = torch.zeros(2, requires_grad=True)
+            self._probe_leaf_ptr = _storage_ptr(leaf)
+        self._probe_ptr = self._probe_leaf_ptr
+        return leaf
 
     def finish(self) -> None:
         """End of the forward: claims no save answered fall back to masks and turn their
@@ -457,6 +466,9 @@ class CompressedStore:
         if (saving and not _is_compiling() and saving.get(id(t)) is t and not self.boxing
                 and current_observer() is None):  # (compiling: asked first, dynamo sees no id)
             del saving[id(t)]
+            return t
+        if t is self._probe_leaf and self._probe_ptr is not None:  # hooks_innermost's probe
+            self._probe_seen = True
             return t
         return self._pack_hook(t)
 

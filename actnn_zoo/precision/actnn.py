@@ -81,6 +81,7 @@ from torch import Tensor, nn
 from .._compile import EagerHook
 from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
+from ..quant.backend import extension
 from .base import PrecisionStrategy, TrackedLayer, hand_derivative, set_sample_bits
 from .readback import DeferredRead
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
@@ -88,6 +89,11 @@ from .stats import (LayerKind, LayerStats, layer_kind, sample_grad_sq, saved_sta
                     same_tensor)
 
 __all__ = ["ActNNStrategy"]
+
+# range_statistic, pow and allocate_widths in one call on the CPU (cpp_ext/bindings.cpp); None
+# without the extension or in an older build
+_CHOOSE = getattr(extension(), "choose_widths", None)
+_CHOOSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _LADDER = (1.0, 2.0, 4.0, 8.0)
 
@@ -225,17 +231,23 @@ class _Watched:
             self._record(fw, call)
             return None
         fan = self.kind.fan(module, rows)
-        score, made = saved_statistic(self.kind, module, rows,
-                                      module.qconfig.group_size)  # type: ignore[attr-defined]
-        hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
-        exponent = self.exponent
-        expected = score if exponent is None else score.pow(exponent)
+        group_size = module.qconfig.group_size  # type: ignore[attr-defined]
         extra = extra_bits(budget, n)  # host number: budget is a host float
-        bits = allocate_samples(expected, budget, self.strategy.table(score.device), extra)
+        if (_CHOOSE is not None and self.kind.saved is same_tensor
+                and rows.device.type == "cpu" and rows.dtype in _CHOOSE_DTYPES
+                and rows.is_contiguous() and not isinstance(extra, Tensor)):
+            # the three steps below in one compiled call (the statistic, its power, the widths)
+            score, bits = _CHOOSE(rows, group_size, self.exponent, extra)
+        else:
+            score, made = saved_statistic(self.kind, module, rows, group_size)
+            hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
+            exponent = self.exponent
+            expected = score if exponent is None else score.pow(exponent)
+            bits = allocate_samples(expected, budget, self.strategy.table(score.device), extra)
         if call is not None:
             call.range_sq, call.bits = score, bits
         self._record(fw, call, fan)
-        set_sample_bits(module, SampleBits(bits, n + int(extra)))
+        set_sample_bits(module, SampleBits.made(bits, n + int(extra)))
         return call
 
     def _summarise(self) -> None:

@@ -64,6 +64,15 @@ class SampleBits:
     def shape(self) -> torch.Size:
         return self.bits.shape
 
+    @classmethod
+    def made(cls, bits: Tensor, max_sum: int) -> "SampleBits":
+        """One the library made itself (a solver's uint8 (N,) widths, an int bound), without
+        the constructor's type checks: a strategy makes one per layer per step."""
+        new = object.__new__(cls)
+        object.__setattr__(new, "bits", bits)
+        object.__setattr__(new, "max_sum", max_sum)
+        return new
+
 
 Bits = Union[int, Tensor, SampleBits]
 
