@@ -601,6 +601,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_fused_cpu(
   return {gi, gw, gb};
 }
 
+// Group norm's forward and its save in one call, as batch_norm_forward_codes: torch's
+// native_group_norm over (N, C, *) in `groups` groups, the codes of x_hat = (x - mean) * rstd
+// per (sample, group) (statistic index n * groups + p / (C / groups * S)), the sampled
+// rounding variances.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           int64_t>
+group_norm_forward_codes_cpu(const at::Tensor& x, int64_t groups,
+                             const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias, double eps, int64_t bits,
+                             int64_t group_size, int64_t seed, bool stochastic,
+                             int64_t var_stride) {
+  RECORD_USER_SCOPE("actnn_zoo::group_norm_forward_codes");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 2 &&
+                        x.is_contiguous() && x.numel() > 0,
+                    "group_norm_forward_codes: x must be a non-empty contiguous float32 CPU "
+                    "tensor (N, C, *), got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK_VALUE(groups > 0 && x.size(1) % groups == 0, x.size(1),
+                    " channels do not split into ", groups, " groups");
+  TORCH_CHECK_VALUE(var_stride >= 0, "var_stride must be >= 0, got ", var_stride);
+  const int64_t n = x.size(0), c = x.size(1), d = x.numel() / n, s = d / c;
+  auto [out, mean, rstd] = at::native_group_norm(x, weight, bias, n, c, s, groups, eps);
+  const int64_t m = (c / groups) * s;  // values per (sample, group)
+  auto [data, lo, step] = quantize_affine_uniform_cpu(x.view({n, d}), mean.reshape(-1),
+                                                      rstd.reshape(-1), groups, m, bits,
+                                                      group_size, seed & 0xFFFFFFFF,
+                                                      stochastic);
+  at::Tensor var;
+  int64_t offset = 0;
+  if (var_stride > 0) {
+    const auto [off, var_seed] = draw_sample_cpu(var_stride);
+    offset = off;
+    var = rounding_variance_codes_cpu(lo, step, std::nullopt, bits, group_size, x, mean, rstd,
+                                      m, 0, offset, var_stride, var_seed);
+  }
+  return {out, mean, rstd, data, lo, step, var, offset};
+}
+
+// Its backward in one call: group_norm_backward_codes_cpu, then the correction (+ rstd * w *
+// g * Var_hat / m per (sample, group) of m values).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_fused_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    int64_t bits, int64_t group_size, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
+    int64_t var_offset, int64_t var_stride, int64_t groups, bool need_input) {
+  TORCH_CHECK_VALUE(grad.dim() >= 2 && grad.numel() > 0,
+                    "group_norm_backward_fused: grad must be a non-empty (N, C, *) tensor, got "
+                    "shape ", grad.sizes());
+  const int64_t n = grad.size(0), c = grad.size(1);
+  TORCH_CHECK_VALUE(groups > 0 && c % groups == 0, c, " channels do not split into ", groups,
+                    " groups");
+  const at::Tensor g3 = grad.contiguous().view({n, c, -1});
+  const int64_t s = g3.size(2);
+  const auto [row_bits, offsets] = one_width_rows(n, c * s, bits, grad.options());
+  auto [gi, gw, gb] = group_norm_backward_codes_cpu(g3, data, lo, step, row_bits, offsets,
+                                                    group_size, rstd.reshape(-1), weight,
+                                                    need_input, groups);
+  if (need_input) {
+    if (var.has_value() && var->defined()) {
+      const int64_t m = (c / groups) * s;
+      rounding_variance_correct_cpu(gi, g3, *var, var_offset, var_stride, rstd, m, 0, weight,
+                                    s, c, static_cast<double>(m));
+    }
+    gi = gi.view(grad.sizes());
+  }
+  return {gi, gw, gb};
+}
+
 using NormCodes = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
@@ -645,6 +712,21 @@ void register_norm(pybind11::module_& m) {
         py::arg("var_stride"), py::arg("normalized_numel"), py::arg("need_input"),
         "layer_norm_backward_codes of one width's codes plus the rounding-variance correction "
         "of the input gradient: (grad_input or None, grad_weight (f,), grad_bias (f,)). CPU "
+        "only.");
+  m.def("group_norm_forward_codes", &group_norm_forward_codes_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("groups"),
+        py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("bits"),
+        py::arg("group_size"), py::arg("seed"), py::arg("stochastic"), py::arg("var_stride"),
+        "Group norm's forward with its save: (out, mean, rstd, data, lo, step, variance codes "
+        "or None, variance offset) for contiguous float32 x (N, C, *); as "
+        "batch_norm_forward_codes. CPU only.");
+  m.def("group_norm_backward_fused", &group_norm_backward_fused_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("data"),
+        py::arg("lo"), py::arg("step"), py::arg("bits"), py::arg("group_size"),
+        py::arg("rstd"), py::arg("weight"), py::arg("var"), py::arg("var_offset"),
+        py::arg("var_stride"), py::arg("groups"), py::arg("need_input"),
+        "group_norm_backward_codes of one width's codes plus the rounding-variance correction "
+        "of the input gradient: (grad_input or None, grad_weight (C,), grad_bias (C,)). CPU "
         "only.");
   def_norm(m, "batch_norm_backward_codes", &batch_norm_backward_codes_cpu, "invstd",
            "Training batch norm's backward from the codes of its saved x_hat: grad (N, C, S) "

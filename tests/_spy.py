@@ -15,10 +15,10 @@ class CompressionSpy:
     """Records (values, bits the widths give them, payload) of every tensor compressed through
     ``_saving.quantize`` and ``_saving.quantize_saved`` (the layers' own entry),
     ``_saving.quantize_normalized`` (batch norm's normalized input on the CPU), the norms'
-    fused CPU forwards (``functional.norm._BN_FORWARD`` / ``_LN_FORWARD``) and, with
-    ``sparse=True``, the capture store's sparse codes (a ReLU output shared with its consumer:
-    codes for the nonzeros only, at the same row widths, so every value counts at its row's
-    width)."""
+    fused CPU forwards (``functional.norm._BN_FORWARD``, ``_LN_FORWARD``, ``_GN_FORWARD``) and,
+    with ``sparse=True``, the capture store's sparse codes (a ReLU output shared with its
+    consumer: codes for the nonzeros only, at the same row widths, so every value counts at its
+    row's width)."""
 
     def __init__(self, monkeypatch, sparse: bool = False) -> None:
         self.calls: List[Tuple[int, float, object]] = []
@@ -50,7 +50,7 @@ class CompressionSpy:
                 return result
             return spy
 
-        for name, bits_at in (("_BN_FORWARD", 7), ("_LN_FORWARD", 5)):
+        for name, bits_at in (("_BN_FORWARD", 7), ("_LN_FORWARD", 5), ("_GN_FORWARD", 5)):
             real = getattr(fnorm, name)
             if real is not None:
                 monkeypatch.setattr(fnorm, name, spying_norm(real, bits_at))

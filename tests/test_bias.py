@@ -267,6 +267,7 @@ def test_old_bias_is_detected(case, monkeypatch):
     # the norms' fused calls correct inside the kernel: the Python path shows the old bias
     monkeypatch.setattr(fnorm, "_BN_FORWARD", None)
     monkeypatch.setattr(fnorm, "_LN_FORWARD", None)
+    monkeypatch.setattr(fnorm, "_GN_FORWARD", None)
     zs = _measure(CASES[case])
     z, d_eff = zs["x"]
     assert z * z - 1 > tolerance(d_eff), (case, z, d_eff)

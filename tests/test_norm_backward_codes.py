@@ -150,6 +150,7 @@ def _layer_grads(model, x, g, kernel: str, reads: bool, monkeypatch):
     (tests/test_norm_fused.py: equal to this path) are off, so the Python path runs."""
     monkeypatch.setattr(fnorm, "_BN_FORWARD", None)
     monkeypatch.setattr(fnorm, "_LN_FORWARD", None)
+    monkeypatch.setattr(fnorm, "_GN_FORWARD", None)
     calls = []
     real = getattr(fnorm, kernel)
     monkeypatch.setattr(fnorm, kernel, lambda *a: calls.append(1) or real(*a))

@@ -1,20 +1,23 @@
-"""BatchNorm's and LayerNorm's fused CPU paths (``_C.batch_norm_forward_codes`` /
-``layer_norm_forward_codes`` and their backwards, cpp_ext/norm_cpu.cpp) against the Python
+"""The norms' fused CPU paths (``_C.batch_norm_forward_codes``, ``layer_norm_forward_codes``,
+``group_norm_forward_codes`` and their backwards, cpp_ext/norm_cpu.cpp) against the Python
 path they replace: the same draws, the same kernels, hence bit-identical outputs, gradients
 and running statistics; and the cases that keep the Python path."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import actnn_zoo as az
 from actnn_zoo.functional import norm as fnorm
 
-pytestmark = pytest.mark.skipif(fnorm._BN_FORWARD is None or fnorm._LN_FORWARD is None,
-                                reason="no compiled extension")
+pytestmark = pytest.mark.skipif(None in (fnorm._BN_FORWARD, fnorm._LN_FORWARD,
+                                        fnorm._GN_FORWARD), reason="no compiled extension")
+FORWARDS = ("_BN_FORWARD", "_LN_FORWARD", "_GN_FORWARD")
 
 
 class _Spy:
@@ -108,17 +111,39 @@ def test_layer_norm_fused_equals_the_python_path(lead, normalized, bits, roundin
           "_LN_FORWARD", bits=bits, rounding=rounding)
 
 
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 5), per_group=st.integers(1, 4), groups=st.integers(1, 4),
+       spatial=st.lists(st.integers(1, 7), max_size=2), bits=st.sampled_from([1, 2, 4, 8]),
+       rounding=st.sampled_from(["stochastic", "nearest"]), affine=st.booleans(),
+       x_grad=st.booleans())
+def test_group_norm_fused_equals_the_python_path(n, per_group, groups, spatial, bits, rounding,
+                                                 affine, x_grad):
+    c = per_group * groups
+    shape = (n, c, *spatial)
+    assume(per_group * math.prod(spatial) > 1)  # torch's training check: 2+ values a group
+    if not affine and not x_grad:
+        x_grad = True
+
+    def x_of():
+        return (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3 + 1
+                ).requires_grad_(x_grad)
+    _both(lambda: _affine(nn.GroupNorm(groups, c, affine=affine)), x_of, "_GN_FORWARD",
+          bits=bits, rounding=rounding)
+
+
 def test_fused_paths_are_taken_in_the_common_case():
     with pytest.MonkeyPatch.context() as mp:
-        spy = _Spy(mp, "_BN_FORWARD", "_BN_BACKWARD", "_LN_FORWARD", "_LN_BACKWARD")
+        spy = _Spy(mp, "_BN_FORWARD", "_BN_BACKWARD", "_LN_FORWARD", "_LN_BACKWARD",
+                   "_GN_FORWARD", "_GN_BACKWARD")
         _train(nn.BatchNorm2d(4), torch.randn(2, 4, 3, 3, requires_grad=True), steps=1)
         _train(nn.LayerNorm(8), torch.randn(2, 3, 8, requires_grad=True), steps=1)
+        _train(nn.GroupNorm(2, 4), torch.randn(2, 4, 3, 3, requires_grad=True), steps=1)
         # the default strategy: batch norm gets the plain budget, one width
         model = az.convert_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
         for _ in range(3):
             model(torch.randn(2, 3, 6, 6)).sum().backward()
     assert spy.calls == {"_BN_FORWARD": 4, "_BN_BACKWARD": 4, "_LN_FORWARD": 1,
-                         "_LN_BACKWARD": 1}
+                         "_LN_BACKWARD": 1, "_GN_FORWARD": 1, "_GN_BACKWARD": 1}
 
 
 @pytest.mark.parametrize("case", ["channels_last", "float64", "per-sample", "division",
@@ -143,9 +168,9 @@ def test_other_cases_keep_the_python_path(case):
     if case == "per-sample":
         model[0].sample_bits = torch.tensor([1, 4], dtype=torch.uint8)
     with pytest.MonkeyPatch.context() as mp:
-        spy = _Spy(mp, "_BN_FORWARD", "_LN_FORWARD")
+        spy = _Spy(mp, *FORWARDS)
         model(x).sum().backward()
-    assert spy.calls == {"_BN_FORWARD": 0, "_LN_FORWARD": 0}
+    assert sum(spy.calls.values()) == 0
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
@@ -171,11 +196,12 @@ def test_a_channels_last_gradient_takes_the_python_backward():
 
 
 def test_fused_norms_refuse_double_backward():
-    for layer, shape in ((nn.BatchNorm2d(3), (2, 3, 4, 4)), (nn.LayerNorm(6), (2, 6))):
+    for layer, shape in ((nn.BatchNorm2d(3), (2, 3, 4, 4)), (nn.LayerNorm(6), (2, 6)),
+                         (nn.GroupNorm(2, 4), (2, 4, 3))):
         model = az.convert_model(nn.Sequential(layer), strategy="uniform")
         x = torch.randn(shape, requires_grad=True)
         with pytest.MonkeyPatch.context() as mp:
-            spy = _Spy(mp, "_BN_FORWARD", "_LN_FORWARD")
+            spy = _Spy(mp, *FORWARDS)
             y = model(x)
         assert sum(spy.calls.values()) == 1
         with pytest.raises(NotImplementedError, match="double backward"):
@@ -198,6 +224,8 @@ def test_fused_calls_check_their_arguments():
         C.layer_norm_forward_codes(torch.randn(4), [4], None, None, 1e-5, 2, 256, 0, True, 4)
     with pytest.raises(ValueError, match="var_stride"):
         C.layer_norm_forward_codes(x, [4], None, None, 1e-5, 2, 256, 0, True, -1)
+    with pytest.raises(ValueError, match="do not split into 5 groups"):
+        C.group_norm_forward_codes(x, 5, None, None, 1e-5, 2, 256, 0, True, 4)
     with pytest.raises(ValueError, match="do not tile"):
         C.layer_norm_backward_fused(torch.randn(2, 5), torch.zeros(4, dtype=torch.uint8),
                                     torch.zeros(2, 1, dtype=torch.bfloat16),

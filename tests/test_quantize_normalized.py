@@ -120,6 +120,7 @@ def test_norms_use_it_with_the_same_seeds_and_gradients(monkeypatch, capture, st
     import actnn_zoo.functional.norm as fnorm
     monkeypatch.setattr(fnorm, "_BN_FORWARD", None)
     monkeypatch.setattr(fnorm, "_LN_FORWARD", None)
+    monkeypatch.setattr(fnorm, "_GN_FORWARD", None)
     calls = []
     real = api.quantize_normalized
     import actnn_zoo.functional._saving as saving

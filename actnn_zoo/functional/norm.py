@@ -162,15 +162,18 @@ _BN_FORWARD = getattr(extension(), "batch_norm_forward_codes", None)
 _BN_BACKWARD = getattr(extension(), "batch_norm_backward_fused", None)
 _LN_FORWARD = getattr(extension(), "layer_norm_forward_codes", None)
 _LN_BACKWARD = getattr(extension(), "layer_norm_backward_fused", None)
+_GN_FORWARD = getattr(extension(), "group_norm_forward_codes", None)
+_GN_BACKWARD = getattr(extension(), "group_norm_backward_fused", None)
 
 
 def _norm_fused(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                 qconfig: LayerQConfig, bits: Bits, dt: torch.dtype, weight_index: int) -> bool:
-    """Whether a norm's fused forward (:data:`_BN_FORWARD`, :data:`_LN_FORWARD`) computes what
-    its Python path would: the CPU path that normalizes inside the quantizer and reads the
-    codes in backward (a contiguous non-empty float32 input, float32 affine parameters, no
-    autocast), the plain quantizer at one width, and an input that is saved (the input or the
-    weight, argument ``weight_index``, needs a gradient)."""
+    """Whether a norm's fused forward (:data:`_BN_FORWARD`, :data:`_LN_FORWARD`,
+    :data:`_GN_FORWARD`) computes what its Python path would: the CPU path that normalizes
+    inside the quantizer and reads the codes in backward (a contiguous non-empty float32
+    input, float32 affine parameters, no autocast), the plain quantizer at one width, and an
+    input that is saved (the input or the weight, argument ``weight_index``, needs a
+    gradient)."""
     return (type(x) is Tensor and x.device.type == "cpu"
             and x.dtype == torch.float32 and dt == torch.float32 and x.dim() >= 2
             and x.is_contiguous() and x.numel() > 0
@@ -521,16 +524,32 @@ class GroupNormFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, num_groups: int, weight: Optional[Tensor],
                 bias: Optional[Tensor], eps: float, qconfig: LayerQConfig, bits: Bits) -> Tensor:
         dt = autocast_dtype(x, lambda t: F.group_norm(t.new_empty((0, num_groups)), num_groups))
+        n, c = x.shape[0], x.shape[1]
+        hxw = x.numel() // (n * c) if n * c else 1
+        ctx.sizes = (n, c, hxw, num_groups)
+        ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
+        ctx.compute_dtype = dt
+        ctx.fused = None
+        if _GN_FORWARD is not None and _norm_fused(ctx, x, weight, bias, qconfig, bits, dt, 2):
+            # as BatchNormFunction's fused path: the same draws, one compiled call
+            stochastic = qconfig.rounding == "stochastic"
+            m = (c // num_groups) * hxw
+            stride = norm_stride(m) if stochastic and ctx.needs_input_grad[0] else 0
+            out, mean, rstd, data, lo, step, var, offset = _GN_FORWARD(
+                x, num_groups, weight, bias, eps, bits, qconfig.group_size,
+                draw_seed() if stochastic else 0, stochastic, stride)
+            ctx.x_format = torch.contiguous_format
+            ctx.var_offset = (offset, stride) if var is not None else None
+            ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
+            x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits,
+                                  qconfig.group_size)
+            save(ctx, x_q, mean, rstd, weight, var)
+            return out
         xc, w, b = _autocast_inputs(x, weight, bias, dt)
         fmt = memory_format_of(xc)
         xc = xc.contiguous(memory_format=fmt)  # what aten::group_norm does before the kernel
-        n, c = x.shape[0], x.shape[1]
-        hxw = x.numel() // (n * c) if n * c else 1
         out, mean, rstd = torch.ops.aten.native_group_norm(xc, w, b, n, c, hxw, num_groups, eps)
-        ctx.sizes = (n, c, hxw, num_groups)
         ctx.x_format = fmt
-        ctx.dtypes = (x.dtype, dtype_of(weight), dtype_of(bias))
-        ctx.compute_dtype = dt
         x_q = None
         if _needs_saved_input(ctx, 2):
             x_q = _compress_normalized(xc, _per_group(mean, xc, num_groups),
@@ -544,6 +563,18 @@ class GroupNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         first_order_only("QGroupNorm (group_norm)")
+        fused = ctx.fused
+        if fused is not None and grad_out.dtype == torch.float32 and not channels_last(grad_out):
+            bits, group_size, has_weight, has_var = fused
+            saved = ctx.saved_tensors  # data, lo, step, mean, rstd[, weight][, var]
+            offset, stride = ctx.var_offset if has_var else (0, 0)
+            need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
+                                      ctx.needs_input_grad[3])
+            gi, gw, gb = _GN_BACKWARD(grad_out, saved[0], saved[1], saved[2], bits, group_size,
+                                      saved[4], saved[5] if has_weight else None,
+                                      saved[-1] if has_var else None, offset, stride,
+                                      ctx.sizes[3], need_x)
+            return (gi, None, gw if need_w else None, gb if need_b else None, None, None, None)
         x_q, mean, rstd, weight, var = load(ctx)
         need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
                                   ctx.needs_input_grad[3])
