@@ -6,11 +6,14 @@
 //   fmix32(h ^ c_j) < threshold                        (unsigned 32-bit)
 // Bit-identical to the torch program it replaces on the CPU, where that program's ~15 small
 // integer ops per tile cost more in dispatch than the hashing itself (tests/test_attention.py
-// compares the two).
+// compares the two). Below it: the Function's softmax of one tile, and its whole forward and
+// backward when one tile holds the call (short sequences: the host cost is the ops' dispatch).
 
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cmath>
 #include <limits>
@@ -101,6 +104,85 @@ at::Tensor attention_softmax_cpu(at::Tensor s, int64_t causal) {
   return s;
 }
 
+// The attention Function's forward and backward when one tile holds the whole call
+// (functional/attention.py: every sample, row and key; no mask, no broadcast or GQA; float32
+// on the CPU), the ops of its tile loop in the same order on the same tensors, so the results
+// are its own bit for bit; one call each way instead of ~10 and ~20 Python-level ops.
+// q, k, v: (N, L, E), (N, S, E), (N, S, Ev). Dropout when threshold >= 0 (its keep-mask from
+// attention_keep_cpu with s1, s2, threshold; drop_scale = 1 / (1 - p) as the Function has it).
+namespace {
+
+void check_whole(const at::Tensor& q, const at::Tensor& k, const at::Tensor* v) {
+  for (const at::Tensor* t : {&q, &k, v}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3,
+                      "attention_whole: q, k and v must be 3-d float32 CPU tensors, got ",
+                      t->scalar_type(), " of shape ", t->sizes());
+  }
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(2) == q.size(2) && q.size(1) > 0 &&
+                        k.size(1) > 0 &&
+                        (v == nullptr || (v->size(0) == q.size(0) && v->size(1) == k.size(1))),
+                    "attention_whole: q ", q.sizes(), ", k ", k.sizes(), " and v ",
+                    v == nullptr ? at::IntArrayRef() : v->sizes(), " do not fit one tile");
+}
+
+// softmax(qs k^T), causal from row 0: _probs of the whole tile
+at::Tensor whole_probs(const at::Tensor& qs, const at::Tensor& k, bool causal) {
+  return attention_softmax_cpu(at::bmm(qs, k.transpose(1, 2)), causal ? 0 : -1);
+}
+
+at::Tensor whole_keep(const at::Tensor& q, const at::Tensor& k, int64_t s1, int64_t s2,
+                      int64_t threshold) {
+  const int64_t n = q.size(0), l = q.size(1);
+  return attention_keep_cpu(0, n, 0, l, k.size(1), l, s1, s2, threshold);
+}
+
+}  // namespace
+
+at::Tensor attention_whole_forward_cpu(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, double scale, bool causal,
+                                       int64_t threshold, int64_t s1, int64_t s2,
+                                       double drop_scale) {
+  RECORD_USER_SCOPE("actnn_zoo::attention_whole_forward");
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  check_whole(q, k, &v);
+  at::Tensor p = whole_probs(q * scale, k, causal);
+  if (threshold >= 0) p.mul_(whole_keep(q, k, s1, s2, threshold));
+  at::Tensor o = at::bmm(p, v);
+  if (threshold >= 0) o.mul_(drop_scale);
+  return o;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_whole_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
+    const std::optional<at::Tensor>& v, double scale, bool causal, int64_t threshold,
+    int64_t s1, int64_t s2, double drop_scale, bool need_q, bool need_k, bool need_v) {
+  RECORD_USER_SCOPE("actnn_zoo::attention_whole_backward");
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const bool need_qk = need_q || need_k;
+  TORCH_CHECK_VALUE(!need_qk || (v.has_value() && v->defined()),
+                    "attention_whole_backward: dq and dk need v");
+  check_whole(q, k, need_qk ? &*v : nullptr);
+  const at::Tensor qs = q * scale;
+  at::Tensor p = whole_probs(qs, k, causal);
+  at::Tensor keep;
+  if (threshold >= 0) keep = whole_keep(q, k, s1, s2, threshold);
+  const at::Tensor g = threshold >= 0 ? grad * drop_scale : grad;
+  at::Tensor dq, dk, dv;
+  if (need_v) {  // dV = (P * M)^T dO
+    dv = at::bmm((keep.defined() ? p * keep : p).transpose(1, 2), g);
+  }
+  if (need_qk) {
+    at::Tensor dp = at::bmm(g, v->transpose(1, 2));
+    if (keep.defined()) dp.mul_(keep);
+    at::Tensor ds = dp.mul_(p);  // dS = P * (dP - rowsum(P * dP))
+    ds.addcmul_(p, ds.sum(-1, /*keepdim=*/true), -1.0);
+    if (need_q) dq = at::bmm(ds, k).mul_(scale);
+    if (need_k) dk = at::bmm(ds.transpose(1, 2), qs);
+  }
+  return {dq, dk, dv};
+}
+
 void register_attention_dropout(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("attention_keep", &attention_keep_cpu, py::call_guard<py::gil_scoped_release>(),
@@ -113,6 +195,20 @@ void register_attention_dropout(pybind11::module_& m) {
         "CPU only: in place, the attention Function's softmax of contiguous float32/float64 "
         "scores (nb, rows, cols), keys after row r + causal masked when causal >= 0 "
         "(functional.attention._probs).");
+  m.def("attention_whole_forward", &attention_whole_forward_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("scale"), py::arg("causal"), py::arg("threshold"), py::arg("s1"), py::arg("s2"),
+        py::arg("drop_scale"),
+        "CPU only: the attention Function's output when one tile holds the whole call: "
+        "softmax(q * scale @ k^T, causal) [* keep] @ v [* drop_scale] for float32 (N, L, E), "
+        "(N, S, E), (N, S, Ev); dropout when threshold >= 0.");
+  m.def("attention_whole_backward", &attention_whole_backward_cpu,
+        py::call_guard<py::gil_scoped_release>(), py::arg("grad"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("scale"), py::arg("causal"), py::arg("threshold"), py::arg("s1"),
+        py::arg("s2"), py::arg("drop_scale"), py::arg("need_q"), py::arg("need_k"),
+        py::arg("need_v"),
+        "CPU only: (dq, dk, dv) of attention_whole_forward at the given q, k, v (None where "
+        "not needed); v may be None when only dv is needed.");
 }
 
 }  // namespace actnn_zoo

@@ -294,6 +294,7 @@ class CompressedStore:
         # Outer hooks (set by the session before it enters its hooks): ``hooks`` is the
         # session's own saved_tensors_hooks context, left and re-entered around each box
         self.boxing = False
+        self._plain = False  # set by keep(): its saves pass pack's first test (see there)
         self.hooks: Optional[Any] = None
         self._anchor: Optional[Tensor] = None
         self._boxes: Dict[int, Tuple["weakref.ref[Any]", Any]] = {}  # payload id -> node
@@ -452,6 +453,9 @@ class CompressedStore:
         # pack is one dict lookup (see pack). Held until the next keep(), so that an id freed
         # meanwhile (a Function that built no graph packs nothing) cannot be reused and match.
         self._saving = {id(t): t for t in tensors}
+        # whether pack may pass them through at its first test: no outer hooks to box them for
+        # and no observer (neither changes between here and the saves that follow)
+        self._plain = not self.boxing and current_observer() is None
         self._group = None
 
     def _is_kept(self, ptr: int) -> bool:
@@ -463,10 +467,11 @@ class CompressedStore:
         # A zoo Function's save (keep() was just given it, and counted it) is kept as it is:
         # one lookup, no further call (every Q-layer call saves 3-8 tensors through here).
         saving = self._saving
-        if (saving and not _is_compiling() and saving.get(id(t)) is t and not self.boxing
-                and current_observer() is None):  # (compiling: asked first, dynamo sees no id)
-            del saving[id(t)]
-            return t
+        if saving and self._plain and not _is_compiling():  # (compiling: dynamo sees no id)
+            key = id(t)
+            if saving.get(key) is t:
+                del saving[key]
+                return t
         if t is self._probe_leaf and self._probe_ptr is not None:  # hooks_innermost's probe
             self._probe_seen = True
             return t

@@ -129,6 +129,12 @@ BLOCK_ELEMENTS = 1 << 20
 
 _EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}  # exp() still a normal number
 
+# The whole forward and backward of a call that one tile holds, one compiled call each on the
+# CPU (cpp_ext/attention_dropout_cpu.cpp: the tile loop's ops in its order); None without the
+# extension or in an older build.
+_WHOLE_FORWARD = getattr(extension(), "attention_whole_forward", None)
+_WHOLE_BACKWARD = getattr(extension(), "attention_whole_backward", None)
+
 _M32 = 0xFFFFFFFF
 _I32_MIN = -(1 << 31)
 
@@ -179,6 +185,11 @@ class _Dropout:
             col = torch.arange(self.S, dtype=torch.int64, device=self._device) ^ self.s1
             self._col = _fmix32_(_as_int32(col))
         return self._col
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`keep` runs the compiled kernel (the CPU with the extension)."""
+        return self._kernel is not None
 
     def keep(self, n0: int, n1: int, r0: int, r1: int, cols: Optional[int] = None) -> Tensor:
         """Bool (n1 - n0, r1 - r0, cols): which probabilities of the tile (keys below ``cols``,
@@ -530,6 +541,23 @@ def softmax_torch_(s: Tensor, causal: int) -> Tensor:
     return s.div_(s.sum(-1, keepdim=True).clamp_min(1.0))  # the sum is >= 1 unless all masked
 
 
+def _whole_compiled(plan: "_Plan", is_causal: bool, mask: Optional[_Mask],
+                    drop: Optional[_Dropout], q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the compiled whole-call forward and backward (:data:`_WHOLE_FORWARD`) compute
+    what the tile loop would: one tile holds the call (:meth:`_Plan.whole`), float32 operands
+    on the CPU, no mask, dropout (if any) through the compiled keep-mask."""
+    return (_WHOLE_FORWARD is not None and mask is None and q.device.type == "cpu"
+            and q.dtype == k.dtype == v.dtype == torch.float32 and plan.whole(is_causal)
+            and (drop is None or drop.compiled))
+
+
+def _drop_args(drop: Optional[_Dropout]) -> Tuple[int, int, int, float]:
+    """(threshold, s1, s2, scale) of the compiled whole-call functions; threshold -1: none."""
+    if drop is None:
+        return -1, 0, 0, 1.0
+    return drop.threshold, drop.s1, drop.s2, drop.scale
+
+
 def _accumulate(dest: Tensor, index: Optional[Tensor], n0: int, n1: int, tile: Tensor) -> None:
     """dest[own batch index of n] += tile[n - n0] for n in [n0, n1) (sums broadcast / GQA)."""
     if index is None:
@@ -570,27 +598,31 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         # tile of the output's dtype: its result is the output (no buffer, no copy into it).
         one_tile = (S and plan.N and L and plan.nb >= plan.N and plan.nr >= L
                     and work == query.dtype)
-        out = None if one_tile else (torch.empty if S else torch.zeros)(
-            plan.N, L, plan.Ev, dtype=query.dtype, device=dev)
-        with _no_autocast(dev):
-            for n0, n1 in plan.batch_tiles():
-                kt = cast(_take(k, plan.ki, n0, n1), work)
-                vt = cast(_take(v, plan.vi, n0, n1), work)
-                qb = _take(q, plan.qi, n0, n1)
-                for r0, r1 in plan.row_tiles():
-                    ke = plan.keys(r0, r1, is_causal)
-                    p = _probs(cast(_row_tile(qb, r0, r1), work) * scale, _cols(kt, ke), mask,
-                               is_causal, n0, n1, r0, r1)
-                    if drop is not None:
-                        p.mul_(drop.keep(n0, n1, r0, r1, ke))
-                    o = torch.bmm(p, _cols(vt, ke))
-                    if drop is not None:
-                        o.mul_(drop.scale)
-                    if out is None:
-                        out = o
-                    else:
-                        out[n0:n1, r0:r1] = o
-                    del p, o
+        ctx.whole = _whole_compiled(plan, is_causal, mask, drop, q, k, v)
+        if ctx.whole:  # the tile loop below in one compiled call
+            out = _WHOLE_FORWARD(q, k, v, scale, is_causal, *_drop_args(drop))
+        else:
+            out = None if one_tile else (torch.empty if S else torch.zeros)(
+                plan.N, L, plan.Ev, dtype=query.dtype, device=dev)
+            with _no_autocast(dev):
+                for n0, n1 in plan.batch_tiles():
+                    kt = cast(_take(k, plan.ki, n0, n1), work)
+                    vt = cast(_take(v, plan.vi, n0, n1), work)
+                    qb = _take(q, plan.qi, n0, n1)
+                    for r0, r1 in plan.row_tiles():
+                        ke = plan.keys(r0, r1, is_causal)
+                        p = _probs(cast(_row_tile(qb, r0, r1), work) * scale, _cols(kt, ke),
+                                   mask, is_causal, n0, n1, r0, r1)
+                        if drop is not None:
+                            p.mul_(drop.keep(n0, n1, r0, r1, ke))
+                        o = torch.bmm(p, _cols(vt, ke))
+                        if drop is not None:
+                            o.mul_(drop.scale)
+                        if out is None:
+                            out = o
+                        else:
+                            out[n0:n1, r0:r1] = o
+                        del p, o
         out = out.reshape(*plan.out_batch, L, plan.Ev)
 
         # v enters dQ, dK and the mask's gradient (through dP); dV alone needs only q and k
@@ -636,6 +668,12 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         q, k = _rows(restore(qc)), _rows(restore(kc))
         v = _rows(restore(vc)) if vc is not None else None  # saved when dS is needed
         go = _rows(grad_out)
+        if ctx.whole and go.dtype == torch.float32 and not need_m:  # the loop in one call
+            dq, dk, dv = _WHOLE_BACKWARD(go, q, k, v, scale, is_causal, *_drop_args(drop),
+                                         need_q, need_k, need_v)
+            return (dq.reshape(qc.shape) if need_q else None,
+                    dk.reshape(kc.shape) if need_k else None,
+                    dv.reshape(vshape) if need_v else None, None) + (None,) * 8
 
         whole = plan.whole(is_causal)  # one tile: its products are the gradients
         dq = dk = dv = None
