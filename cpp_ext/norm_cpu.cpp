@@ -456,9 +456,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_codes_cpu(
   return {gi, gw, gb};
 }
 
+// -- One call each way for a norm's forward with its save and for its backward -------------
+// What functional/norm.py's Functions did through ~40 Python calls each way, with the same
+// kernels in the same order and the same random draws, so equal to that path bit for bit:
+// torch's native_*_norm (batch norm: running statistics updated in place), the codes of
+// x_hat = (x - mean) * stat at one width (quantize_affine_uniform_cpu over x's rows, the
+// statistic of position p of row n at n * row_stride + p / block) and, for var_stride > 0, the
+// 1-bit codes of the rounding variances sampled at offset + k * var_stride
+// (rounding_variance_codes_cpu; offset and seed drawn after the codes' seed, as
+// _rounding_variance.draw_sample draws them). Backward: the *_backward_codes kernel above on
+// one width's codes, then the input gradient's rounding-variance correction
+// (rounding_variance_correct_cpu). CPU, contiguous non-empty float32 x.
+namespace {
+
+// (out, mean, stat, data, lo, step, variance codes or undefined, variance offset)
+using NormSave = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                            at::Tensor, at::Tensor, int64_t>;
+
+void check_norm_input(const at::Tensor& x, int64_t min_dims, int64_t var_stride,
+                      const char* name) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat &&
+                        x.dim() >= min_dims && x.is_contiguous() && x.numel() > 0,
+                    name, ": x must be a non-empty contiguous float32 CPU tensor of at least ",
+                    min_dims, " dims, got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK_VALUE(var_stride >= 0, "var_stride must be >= 0, got ", var_stride);
+}
+
+void check_norm_grad(const at::Tensor& grad, const char* name) {  // any strides
+  TORCH_CHECK_VALUE(grad.dim() >= 2 && grad.numel() > 0, name,
+                    ": grad must be a non-empty tensor of at least 2 dims, got shape ",
+                    grad.sizes());
+}
+
+// The codes of x_hat and the sampled variances of a norm's output `out` and statistics;
+// (stat_block, stat_period): which statistic a flat index reads, for the variances.
+NormSave save_normalized(const at::Tensor& x, at::Tensor out, at::Tensor mean, at::Tensor stat,
+                         int64_t row_stride, int64_t block, int64_t stat_block,
+                         int64_t stat_period, int64_t bits, int64_t group_size, int64_t seed,
+                         bool stochastic, int64_t var_stride) {
+  const int64_t n = x.size(0), d = x.numel() / n;
+  auto [data, lo, step] = quantize_affine_uniform_cpu(
+      x.view({n, d}), mean.reshape(-1), stat.reshape(-1), row_stride, block, bits, group_size,
+      seed & 0xFFFFFFFF, stochastic);
+  at::Tensor var;
+  int64_t offset = 0;
+  if (var_stride > 0) {
+    const auto [off, var_seed] = draw_sample_cpu(var_stride);
+    offset = off;
+    var = rounding_variance_codes_cpu(lo, step, std::nullopt, bits, group_size, x, mean, stat,
+                                      stat_block, stat_period, offset, var_stride, var_seed);
+  }
+  return {std::move(out), std::move(mean), std::move(stat), data, lo, step, var, offset};
+}
+
 // The rows layout of codes at one width (rows back to back), as the kernels above read it.
-static std::pair<at::Tensor, at::Tensor> one_width_rows(int64_t n, int64_t d, int64_t bits,
-                                                        const at::TensorOptions& opts) {
+std::pair<at::Tensor, at::Tensor> one_width_rows(int64_t n, int64_t d, int64_t bits,
+                                                 const at::TensorOptions& opts) {
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8,
                     "bits must be 1, 2, 4 or 8, got ", bits);
   const int64_t row = (d * bits + 7) / 8;
@@ -469,58 +522,45 @@ static std::pair<at::Tensor, at::Tensor> one_width_rows(int64_t n, int64_t d, in
   return {row_bits, offsets};
 }
 
-// Training batch norm's forward and what it saves, in one call (CPU, contiguous float32
-// (N, C, *), one width): torch's native_batch_norm (running statistics updated in place), the
-// codes of x_hat = (x - mean) * invstd (quantize_affine_uniform_cpu, rows of x) and, for
-// var_stride > 0, the 1-bit codes of its rounding variances sampled at offset + k * var_stride
-// (rounding_variance_codes_cpu; offset and seed drawn after the codes' seed, as
-// _rounding_variance.draw_sample draws them). What functional/norm.py's BatchNormFunction made
-// through ~40 Python calls; equal to that path bit for bit. Returns (out, mean, invstd, data,
-// lo, step, variance codes or undefined, offset).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           int64_t>
-batch_norm_forward_codes_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                             const std::optional<at::Tensor>& bias,
-                             const std::optional<at::Tensor>& running_mean,
-                             const std::optional<at::Tensor>& running_var, double momentum,
-                             double eps, int64_t bits, int64_t group_size, int64_t seed,
-                             bool stochastic, int64_t var_stride) {
-  RECORD_USER_SCOPE("actnn_zoo::batch_norm_forward_codes");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 2 &&
-                        x.is_contiguous() && x.numel() > 0,
-                    "batch_norm_forward_codes: x must be a non-empty contiguous float32 CPU "
-                    "tensor (N, C, *), got ", x.scalar_type(), " of shape ", x.sizes());
-  TORCH_CHECK_VALUE(var_stride >= 0, "var_stride must be >= 0, got ", var_stride);
-  auto [out, mean, invstd] = at::native_batch_norm(x, weight, bias, running_mean, running_var,
-                                                   true, momentum, eps);
-  const int64_t n = x.size(0), c = x.size(1), d = x.numel() / n, s = d / c;
-  auto [data, lo, step] = quantize_affine_uniform_cpu(x.view({n, d}), mean, invstd, 0, s, bits,
-                                                      group_size, seed & 0xFFFFFFFF,
-                                                      stochastic);
-  at::Tensor var;
-  int64_t offset = 0;
-  if (var_stride > 0) {
-    const auto [off, var_seed] = draw_sample_cpu(var_stride);
-    offset = off;
-    var = rounding_variance_codes_cpu(lo, step, std::nullopt, bits, group_size, x, mean, invstd,
-                                      s, c, offset, var_stride, var_seed);
+// The backward's input gradient `gi` (of `g`'s values, any shape) corrected in place when
+// variance codes were saved, then shaped as `sizes`: + stat * w * g * Var_hat / divisor.
+at::Tensor corrected(at::Tensor gi, const at::Tensor& g, const std::optional<at::Tensor>& var,
+                     int64_t offset, int64_t stride, const at::Tensor& stat, int64_t stat_block,
+                     int64_t stat_period, const std::optional<at::Tensor>& weight,
+                     int64_t w_block, int64_t w_period, int64_t divisor, at::IntArrayRef sizes) {
+  if (var.has_value() && var->defined()) {
+    rounding_variance_correct_cpu(gi, g, *var, offset, stride, stat, stat_block, stat_period,
+                                  weight, w_block, w_period, static_cast<double>(divisor));
   }
-  return {out, mean, invstd, data, lo, step, var, offset};
+  return gi.view(sizes);
 }
 
-// Its backward in one call: batch_norm_backward_codes_cpu from the codes (one width, rows back
-// to back), then, when variance codes were saved, the input gradient's rounding-variance
-// correction (rounding_variance_correct_cpu: + invstd * w * g * Var_hat / m per channel of m
-// values). grad (N, C, *) float32, any strides. Returns (grad_input or undefined, grad_weight,
-// grad_bias).
+}  // namespace
+
+// Batch norm over (N, C, *): statistics per channel.
+NormSave batch_norm_forward_codes_cpu(const at::Tensor& x,
+                                      const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias,
+                                      const std::optional<at::Tensor>& running_mean,
+                                      const std::optional<at::Tensor>& running_var,
+                                      double momentum, double eps, int64_t bits,
+                                      int64_t group_size, int64_t seed, bool stochastic,
+                                      int64_t var_stride) {
+  RECORD_USER_SCOPE("actnn_zoo::batch_norm_forward_codes");
+  check_norm_input(x, 2, var_stride, "batch_norm_forward_codes");
+  auto [out, mean, invstd] = at::native_batch_norm(x, weight, bias, running_mean, running_var,
+                                                   true, momentum, eps);
+  const int64_t c = x.size(1), s = x.numel() / x.size(0) / c;
+  return save_normalized(x, out, mean, invstd, 0, s, s, c, bits, group_size, seed, stochastic,
+                         var_stride);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_fused_cpu(
     const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
     int64_t bits, int64_t group_size, const at::Tensor& invstd,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
     int64_t var_offset, int64_t var_stride, bool need_input) {
-  TORCH_CHECK_VALUE(grad.dim() >= 2 && grad.numel() > 0,
-                    "batch_norm_backward_fused: grad must be a non-empty (N, C, *) tensor, got "
-                    "shape ", grad.sizes());
+  check_norm_grad(grad, "batch_norm_backward_fused");
   const int64_t n = grad.size(0), c = grad.size(1);
   const at::Tensor g3 = grad.contiguous().view({n, c, -1});
   const int64_t s = g3.size(2);
@@ -528,60 +568,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_fused_cpu(
   auto [gi, gw, gb] = batch_norm_backward_codes_cpu(g3, data, lo, step, row_bits, offsets,
                                                     group_size, invstd, weight, need_input);
   if (need_input) {
-    if (var.has_value() && var->defined()) {
-      rounding_variance_correct_cpu(gi, g3, *var, var_offset, var_stride, invstd, s, c, weight,
-                                    s, c, static_cast<double>(n * s));
-    }
-    gi = gi.view(grad.sizes());
+    gi = corrected(gi, g3, var, var_offset, var_stride, invstd, s, c, weight, s, c, n * s,
+                   grad.sizes());
   }
   return {gi, gw, gb};
 }
 
-// Layer norm's forward and its save in one call, as batch_norm_forward_codes above: torch's
-// native_layer_norm over the last dims (`normalized_shape`, fewer dims than x), the codes of
-// x_hat = (x - mean) * rstd per row of those dims, the sampled rounding variances.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           int64_t>
-layer_norm_forward_codes_cpu(const at::Tensor& x, at::IntArrayRef normalized_shape,
-                             const std::optional<at::Tensor>& weight,
-                             const std::optional<at::Tensor>& bias, double eps, int64_t bits,
-                             int64_t group_size, int64_t seed, bool stochastic,
-                             int64_t var_stride) {
+// Layer norm over the last dims (`normalized_shape`, fewer dims than x): statistics per row.
+NormSave layer_norm_forward_codes_cpu(const at::Tensor& x, at::IntArrayRef normalized_shape,
+                                      const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias, double eps,
+                                      int64_t bits, int64_t group_size, int64_t seed,
+                                      bool stochastic, int64_t var_stride) {
   RECORD_USER_SCOPE("actnn_zoo::layer_norm_forward_codes");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat &&
-                        x.dim() > static_cast<int64_t>(normalized_shape.size()) &&
-                        x.is_contiguous() && x.numel() > 0,
-                    "layer_norm_forward_codes: x must be a non-empty contiguous float32 CPU "
-                    "tensor with more dims than normalized_shape, got ", x.scalar_type(),
-                    " of shape ", x.sizes());
-  TORCH_CHECK_VALUE(var_stride >= 0, "var_stride must be >= 0, got ", var_stride);
+  check_norm_input(x, static_cast<int64_t>(normalized_shape.size()) + 1, var_stride,
+                   "layer_norm_forward_codes");
   auto [out, mean, rstd] = at::native_layer_norm(x, normalized_shape, weight, bias, eps);
-  const int64_t n = x.size(0), d = x.numel() / n, f = c10::multiply_integers(normalized_shape);
-  auto [data, lo, step] = quantize_affine_uniform_cpu(
-      x.view({n, d}), mean.reshape(-1), rstd.reshape(-1), d / f, f, bits, group_size,
-      seed & 0xFFFFFFFF, stochastic);
-  at::Tensor var;
-  int64_t offset = 0;
-  if (var_stride > 0) {
-    const auto [off, var_seed] = draw_sample_cpu(var_stride);
-    offset = off;
-    var = rounding_variance_codes_cpu(lo, step, std::nullopt, bits, group_size, x, mean, rstd,
-                                      f, 0, offset, var_stride, var_seed);
-  }
-  return {out, mean, rstd, data, lo, step, var, offset};
+  const int64_t d = x.numel() / x.size(0), f = c10::multiply_integers(normalized_shape);
+  return save_normalized(x, out, mean, rstd, d / f, f, f, 0, bits, group_size, seed,
+                         stochastic, var_stride);
 }
 
-// Its backward in one call: layer_norm_backward_codes_cpu, then the correction (+ rstd * w *
-// g * Var_hat / f per row of f values). Returns (grad_input or undefined, grad_weight,
-// grad_bias), the last two flat (f,).
+// grad_weight and grad_bias come back flat, (f,).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_fused_cpu(
     const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
     int64_t bits, int64_t group_size, const at::Tensor& rstd,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
     int64_t var_offset, int64_t var_stride, int64_t normalized_numel, bool need_input) {
   const int64_t f = normalized_numel;
-  TORCH_CHECK_VALUE(grad.dim() >= 2 && grad.numel() > 0 && f > 0 && grad.numel() % f == 0 &&
-                        (grad.numel() / grad.size(0)) % f == 0,
+  check_norm_grad(grad, "layer_norm_backward_fused");
+  TORCH_CHECK_VALUE(f > 0 && (grad.numel() / grad.size(0)) % f == 0,
                     "layer_norm_backward_fused: rows of ", f, " values do not tile the samples "
                     "of a gradient of shape ", grad.sizes());
   const int64_t n = grad.size(0), d = grad.numel() / n;
@@ -592,78 +608,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_fused_cpu(
   auto [gi, gw, gb] = layer_norm_backward_codes_cpu(g2, data, lo, step, row_bits, offsets,
                                                     group_size, rstd.reshape(-1), w, need_input);
   if (need_input) {
-    if (var.has_value() && var->defined()) {
-      rounding_variance_correct_cpu(gi, g2, *var, var_offset, var_stride, rstd, f, 0, w, 1, f,
-                                    static_cast<double>(f));
-    }
-    gi = gi.view(grad.sizes());
+    gi = corrected(gi, g2, var, var_offset, var_stride, rstd, f, 0, w, 1, f, f, grad.sizes());
   }
   return {gi, gw, gb};
 }
 
-// Group norm's forward and its save in one call, as batch_norm_forward_codes: torch's
-// native_group_norm over (N, C, *) in `groups` groups, the codes of x_hat = (x - mean) * rstd
-// per (sample, group) (statistic index n * groups + p / (C / groups * S)), the sampled
-// rounding variances.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           int64_t>
-group_norm_forward_codes_cpu(const at::Tensor& x, int64_t groups,
-                             const std::optional<at::Tensor>& weight,
-                             const std::optional<at::Tensor>& bias, double eps, int64_t bits,
-                             int64_t group_size, int64_t seed, bool stochastic,
-                             int64_t var_stride) {
+// Group norm over (N, C, *) in `groups` groups: statistics per (sample, group), position p of
+// row n reading n * groups + p / (C / groups * S).
+NormSave group_norm_forward_codes_cpu(const at::Tensor& x, int64_t groups,
+                                      const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias, double eps,
+                                      int64_t bits, int64_t group_size, int64_t seed,
+                                      bool stochastic, int64_t var_stride) {
   RECORD_USER_SCOPE("actnn_zoo::group_norm_forward_codes");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 2 &&
-                        x.is_contiguous() && x.numel() > 0,
-                    "group_norm_forward_codes: x must be a non-empty contiguous float32 CPU "
-                    "tensor (N, C, *), got ", x.scalar_type(), " of shape ", x.sizes());
+  check_norm_input(x, 2, var_stride, "group_norm_forward_codes");
   TORCH_CHECK_VALUE(groups > 0 && x.size(1) % groups == 0, x.size(1),
                     " channels do not split into ", groups, " groups");
-  TORCH_CHECK_VALUE(var_stride >= 0, "var_stride must be >= 0, got ", var_stride);
-  const int64_t n = x.size(0), c = x.size(1), d = x.numel() / n, s = d / c;
+  const int64_t n = x.size(0), c = x.size(1), s = x.numel() / n / c;
   auto [out, mean, rstd] = at::native_group_norm(x, weight, bias, n, c, s, groups, eps);
   const int64_t m = (c / groups) * s;  // values per (sample, group)
-  auto [data, lo, step] = quantize_affine_uniform_cpu(x.view({n, d}), mean.reshape(-1),
-                                                      rstd.reshape(-1), groups, m, bits,
-                                                      group_size, seed & 0xFFFFFFFF,
-                                                      stochastic);
-  at::Tensor var;
-  int64_t offset = 0;
-  if (var_stride > 0) {
-    const auto [off, var_seed] = draw_sample_cpu(var_stride);
-    offset = off;
-    var = rounding_variance_codes_cpu(lo, step, std::nullopt, bits, group_size, x, mean, rstd,
-                                      m, 0, offset, var_stride, var_seed);
-  }
-  return {out, mean, rstd, data, lo, step, var, offset};
+  return save_normalized(x, out, mean, rstd, groups, m, m, 0, bits, group_size, seed,
+                         stochastic, var_stride);
 }
 
-// Its backward in one call: group_norm_backward_codes_cpu, then the correction (+ rstd * w *
-// g * Var_hat / m per (sample, group) of m values).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_fused_cpu(
     const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
     int64_t bits, int64_t group_size, const at::Tensor& rstd,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
     int64_t var_offset, int64_t var_stride, int64_t groups, bool need_input) {
-  TORCH_CHECK_VALUE(grad.dim() >= 2 && grad.numel() > 0,
-                    "group_norm_backward_fused: grad must be a non-empty (N, C, *) tensor, got "
-                    "shape ", grad.sizes());
+  check_norm_grad(grad, "group_norm_backward_fused");
   const int64_t n = grad.size(0), c = grad.size(1);
   TORCH_CHECK_VALUE(groups > 0 && c % groups == 0, c, " channels do not split into ", groups,
                     " groups");
   const at::Tensor g3 = grad.contiguous().view({n, c, -1});
-  const int64_t s = g3.size(2);
+  const int64_t s = g3.size(2), m = (c / groups) * s;
   const auto [row_bits, offsets] = one_width_rows(n, c * s, bits, grad.options());
   auto [gi, gw, gb] = group_norm_backward_codes_cpu(g3, data, lo, step, row_bits, offsets,
                                                     group_size, rstd.reshape(-1), weight,
                                                     need_input, groups);
   if (need_input) {
-    if (var.has_value() && var->defined()) {
-      const int64_t m = (c / groups) * s;
-      rounding_variance_correct_cpu(gi, g3, *var, var_offset, var_stride, rstd, m, 0, weight,
-                                    s, c, static_cast<double>(m));
-    }
-    gi = gi.view(grad.sizes());
+    gi = corrected(gi, g3, var, var_offset, var_stride, rstd, m, 0, weight, s, c, m,
+                   grad.sizes());
   }
   return {gi, gw, gb};
 }

@@ -183,6 +183,46 @@ def _norm_fused(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
             and type(bits) is int and _needs_saved_input(ctx, weight_index))
 
 
+def _forward_fused(ctx, call: Callable, x: Tensor, args: tuple, weight: Optional[Tensor],
+                   extra: tuple, qconfig: LayerQConfig, bits: int, m: int) -> Tensor:
+    """A norm Function's forward through its fused call (``call(x, *args, bits, group size,
+    seed, stochastic, variance stride)``), saved as its Python path saves: codes, mean, the
+    inverse deviation, the weight, ``extra`` and the variance codes. The draws are that path's,
+    in its order: the codes' seed here, the variances' (offset, seed) in the call after it.
+    ``m``: values per statistic (the variances' stride)."""
+    stochastic = qconfig.rounding == "stochastic"
+    stride = norm_stride(m) if stochastic and ctx.needs_input_grad[0] else 0
+    out, mean, stat, data, lo, step, var, offset = call(
+        x, *args, bits, qconfig.group_size, draw_seed() if stochastic else 0, stochastic, stride)
+    ctx.var_offset = (offset, stride) if var is not None else None
+    ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
+    x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits, qconfig.group_size)
+    save(ctx, x_q, mean, stat, weight, *extra, var)
+    return out
+
+
+def _backward_fused(ctx, grad_out: Tensor) -> bool:
+    """Whether the backward of a forward :func:`_forward_fused` made runs its fused call: the
+    codes path reads a float32 gradient in (N, C, *) order (a channels-last one goes to aten,
+    as in the Python path)."""
+    return (ctx.fused is not None and grad_out.dtype == torch.float32
+            and not channels_last(grad_out))
+
+
+def _fused_grads(ctx, grad_out: Tensor, call: Callable, need_wb: Tuple[bool, bool],
+                 *extra: int) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(input, weight, bias) gradients through a fused backward ``call(grad, data, lo, step,
+    bits, group size, stat, weight, variance codes, offset, stride, *extra, need_input)``, None
+    where not needed. The saves: data, lo, step, mean, stat[, weight][, ...][, variances]."""
+    bits, group_size, has_weight, has_var = ctx.fused
+    saved = ctx.saved_tensors
+    offset, stride = ctx.var_offset if has_var else (0, 0)
+    gi, gw, gb = call(grad_out, saved[0], saved[1], saved[2], bits, group_size, saved[4],
+                      saved[5] if has_weight else None, saved[-1] if has_var else None, offset,
+                      stride, *extra, ctx.needs_input_grad[0])
+    return gi, gw if need_wb[0] else None, gb if need_wb[1] else None
+
+
 def _bn_probe(x: Tensor) -> Tensor:
     e = x.new_empty((0, 1))
     return F.batch_norm(e, None, None, training=True)
@@ -204,19 +244,9 @@ class BatchNormFunction(torch.autograd.Function):
         ctx.compute_dtype = dt
         ctx.fused = None
         if _BN_FORWARD is not None and _norm_fused(ctx, x, weight, bias, qconfig, bits, dt, 1):
-            # the same draws in the same order as below: the codes' seed, then the sample's
-            stochastic = qconfig.rounding == "stochastic"
-            stride = (norm_stride(x.numel() // x.shape[1])
-                      if stochastic and ctx.needs_input_grad[0] else 0)
-            out, mean, invstd, data, lo, step, var, offset = _BN_FORWARD(
-                x, weight, bias, running_mean, running_var, momentum, eps, bits,
-                qconfig.group_size, draw_seed() if stochastic else 0, stochastic, stride)
-            ctx.var_offset = (offset, stride) if var is not None else None
-            ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
-            x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits,
-                                  qconfig.group_size)
-            save(ctx, x_q, mean, invstd, weight, var)
-            return out
+            return _forward_fused(ctx, _BN_FORWARD, x, (weight, bias, running_mean,
+                                                        running_var, momentum, eps),
+                                  weight, (), qconfig, bits, x.numel() // x.shape[1])
         xc, w, b = _autocast_inputs(x, weight, bias, dt)
         out, mean, invstd = torch.ops.aten.native_batch_norm(xc, w, b, running_mean, running_var,
                                                              True, momentum, eps)
@@ -232,9 +262,9 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         first_order_only("QBatchNorm (batch_norm)")
-        fused = ctx.fused
-        if fused is not None and grad_out.dtype == torch.float32 and not channels_last(grad_out):
-            return _bn_backward_fused(ctx, grad_out, fused)
+        if _backward_fused(ctx, grad_out):
+            gi, gw, gb = _fused_grads(ctx, grad_out, _BN_BACKWARD, ctx.needs_input_grad[1:3])
+            return (gi, gw, gb) + (None,) * 6
         x_q, mean, invstd, weight, var = load(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -266,21 +296,6 @@ class BatchNormFunction(torch.autograd.Function):
                               weight_stat=ch, divisor=go.numel() // go.shape[1])
         return (cast(gi, x_dtype) if need_x else None, cast(gw, w_dtype) if need_w else None,
                 cast(gb, b_dtype) if need_b else None) + (None,) * 6
-
-
-def _bn_backward_fused(ctx, grad_out: Tensor, fused: Tuple[int, int, bool, bool]
-                       ) -> Tuple[Optional[Tensor], ...]:
-    """:class:`BatchNormFunction`'s backward for a forward :data:`_BN_FORWARD` made, in one call
-    (:data:`_BN_BACKWARD`): the codes path and the correction below, on the same tensors."""
-    bits, group_size, has_weight, has_var = fused
-    saved = ctx.saved_tensors  # data, lo, step, mean, invstd[, weight][, variance codes]
-    weight = saved[5] if has_weight else None
-    var = saved[-1] if has_var else None
-    offset, stride = ctx.var_offset if has_var else (0, 0)
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    gi, gw, gb = _BN_BACKWARD(grad_out, saved[0], saved[1], saved[2], bits, group_size,
-                              saved[4], weight, var, offset, stride, need_x)
-    return (gi, gw if need_w else None, gb if need_b else None) + (None,) * 6
 
 
 def _channel_stat(x: Tensor) -> Stat:
@@ -442,19 +457,8 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.fused = None
         if (_LN_FORWARD is not None and len(shape) < x.dim()
                 and _norm_fused(ctx, x, weight, bias, qconfig, bits, dt, 2)):
-            # as BatchNormFunction's fused path: the same draws, one compiled call
-            stochastic = qconfig.rounding == "stochastic"
-            m = math.prod(shape)
-            stride = norm_stride(m) if stochastic and ctx.needs_input_grad[0] else 0
-            out, mean, rstd, data, lo, step, var, offset = _LN_FORWARD(
-                x, shape, weight, bias, eps, bits, qconfig.group_size,
-                draw_seed() if stochastic else 0, stochastic, stride)
-            ctx.var_offset = (offset, stride) if var is not None else None
-            ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
-            x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits,
-                                  qconfig.group_size)
-            save(ctx, x_q, mean, rstd, weight, bias, var)
-            return out
+            return _forward_fused(ctx, _LN_FORWARD, x, (shape, weight, bias, eps), weight,
+                                  (bias,), qconfig, bits, math.prod(shape))
         xc, w, b = _autocast_inputs(x, weight, bias, dt)
         out, mean, rstd = torch.ops.aten.native_layer_norm(xc, shape, w, b, eps)
         x_q = None
@@ -468,20 +472,12 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         first_order_only("QLayerNorm (layer_norm)")
-        fused = ctx.fused
-        if fused is not None and grad_out.dtype == torch.float32 and not channels_last(grad_out):
-            bits, group_size, has_weight, has_var = fused
-            saved = ctx.saved_tensors  # data, lo, step, mean, rstd[, weight][, bias][, var]
-            weight = saved[5] if has_weight else None
-            offset, stride = ctx.var_offset if has_var else (0, 0)
-            need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
-                                      ctx.needs_input_grad[3])
+        if _backward_fused(ctx, grad_out):
             shape = ctx.normalized_shape
-            gi, gw, gb = _LN_BACKWARD(grad_out, saved[0], saved[1], saved[2], bits, group_size,
-                                      saved[4], weight, saved[-1] if has_var else None, offset,
-                                      stride, math.prod(shape), need_x)
-            return (gi, None, gw.view(shape) if need_w else None,
-                    gb.view(shape) if need_b else None, None, None, None)
+            gi, gw, gb = _fused_grads(ctx, grad_out, _LN_BACKWARD, ctx.needs_input_grad[2:4],
+                                      math.prod(shape))
+            return (gi, None, None if gw is None else gw.view(shape),
+                    None if gb is None else gb.view(shape), None, None, None)
         x_q, mean, rstd, weight, bias, var = load(ctx)
         need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
                                   ctx.needs_input_grad[3])
@@ -531,20 +527,9 @@ class GroupNormFunction(torch.autograd.Function):
         ctx.compute_dtype = dt
         ctx.fused = None
         if _GN_FORWARD is not None and _norm_fused(ctx, x, weight, bias, qconfig, bits, dt, 2):
-            # as BatchNormFunction's fused path: the same draws, one compiled call
-            stochastic = qconfig.rounding == "stochastic"
-            m = (c // num_groups) * hxw
-            stride = norm_stride(m) if stochastic and ctx.needs_input_grad[0] else 0
-            out, mean, rstd, data, lo, step, var, offset = _GN_FORWARD(
-                x, num_groups, weight, bias, eps, bits, qconfig.group_size,
-                draw_seed() if stochastic else 0, stochastic, stride)
             ctx.x_format = torch.contiguous_format
-            ctx.var_offset = (offset, stride) if var is not None else None
-            ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
-            x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits,
-                                  qconfig.group_size)
-            save(ctx, x_q, mean, rstd, weight, var)
-            return out
+            return _forward_fused(ctx, _GN_FORWARD, x, (num_groups, weight, bias, eps), weight,
+                                  (), qconfig, bits, (c // num_groups) * hxw)
         xc, w, b = _autocast_inputs(x, weight, bias, dt)
         fmt = memory_format_of(xc)
         xc = xc.contiguous(memory_format=fmt)  # what aten::group_norm does before the kernel
@@ -563,18 +548,10 @@ class GroupNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         first_order_only("QGroupNorm (group_norm)")
-        fused = ctx.fused
-        if fused is not None and grad_out.dtype == torch.float32 and not channels_last(grad_out):
-            bits, group_size, has_weight, has_var = fused
-            saved = ctx.saved_tensors  # data, lo, step, mean, rstd[, weight][, var]
-            offset, stride = ctx.var_offset if has_var else (0, 0)
-            need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
-                                      ctx.needs_input_grad[3])
-            gi, gw, gb = _GN_BACKWARD(grad_out, saved[0], saved[1], saved[2], bits, group_size,
-                                      saved[4], saved[5] if has_weight else None,
-                                      saved[-1] if has_var else None, offset, stride,
-                                      ctx.sizes[3], need_x)
-            return (gi, None, gw if need_w else None, gb if need_b else None, None, None, None)
+        if _backward_fused(ctx, grad_out):
+            gi, gw, gb = _fused_grads(ctx, grad_out, _GN_BACKWARD, ctx.needs_input_grad[2:4],
+                                      ctx.sizes[3])
+            return (gi, None, gw, gb, None, None, None)
         x_q, mean, rstd, weight, var = load(ctx)
         need_x, need_w, need_b = (ctx.needs_input_grad[0], ctx.needs_input_grad[2],
                                   ctx.needs_input_grad[3])
