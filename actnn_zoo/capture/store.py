@@ -411,6 +411,8 @@ class CompressedStore:
         return self._probe_seen
 
     def probe_leaf(self) -> Tensor:
+        """The 2-element leaf :func:`save_probe` saves (made once per store: a new leaf per
+        ReLU call cost an allocation), its storage noted for :meth:`_pack`."""
         leaf = self._probe_leaf
         if leaf is None:
             leaf = self._probe_leaf = torch.zeros(2, requires_grad=True)
