@@ -1,20 +1,22 @@
-// The autograd nodes of QLinear, QConv and QDropout in C++: the forward is torch's op, the
-// backward decodes what was saved and makes the gradients, with no Python on the way.
+// The autograd nodes of QLinear, QConv, QDropout and the smooth activations in C++: the
+// forward is torch's op, the backward decodes what was saved and makes the gradients, with no
+// Python on the way.
 //
 // Why: a Python autograd Function costs the host tens of microseconds per call on top of its
 // ops (apply, ctx, the saved-tensor bookkeeping, the Python backward node and its glue), as
 // much as the layer's own work at small sizes, where a GPU step is host-bound (docs/design.md,
-// "Host cost"). actnn_zoo/functional/linear.py, conv.py and dropout.py take these nodes in the
-// common case -- the plain quantizer (one width, per-sample widths or a ReLU output's sparse
-// codes), one dtype, no autocast, the input decoded whole; for conv a plain (not transposed)
-// convolution with numeric zero padding; for dropout elementwise, out of place, contiguous --
-// and their Python Functions otherwise. Both compute the same outputs and gradients
-// (tests/test_qlayer_nodes.py compares them bit for bit).
+// "Host cost"). actnn_zoo/functional/linear.py, conv.py, dropout.py and activation.py take
+// these nodes in the common case -- the plain quantizer (one width, per-sample widths or a
+// ReLU output's sparse codes), one dtype, no autocast, the input decoded whole; for conv a
+// plain (not transposed) convolution with numeric zero padding; for dropout elementwise, out
+// of place, contiguous; for an activation out of place, contiguous, one that does not read
+// its output in backward -- and their Python Functions otherwise. Both compute the same
+// outputs and gradients (tests/test_qlayer_nodes.py compares them bit for bit).
 //
-// The codes (dropout: the noise and its keep bits) are made in Python, where the capture store
-// may answer from its cache, and saved here with the weight through ctx->save_for_backward:
-// saved-tensor hooks see them as they see the Python Functions' saves, and the weight keeps
-// autograd's in-place check.
+// The codes (dropout: the noise and its keep bits; an activation: those of f'(x)) are made in
+// Python, where the capture store may answer from its cache, and saved here (with the weight)
+// through ctx->save_for_backward: saved-tensor hooks see them as they see the Python
+// Functions' saves, and the weight keeps autograd's in-place check.
 #include "kernels.h"
 
 #include <ATen/record_function.h>
@@ -78,8 +80,10 @@ Needed needed(AutogradContext* ctx) {
 }
 
 // The decoded input: the actnn_zoo::dequantize_uniform operator for one width, the general or
-// the sparse kernel with the saved row widths and offsets otherwise.
-at::Tensor decode(AutogradContext* ctx, const variable_list& saved) {
+// the sparse kernel with the saved row widths and offsets otherwise. `first`: where the codes
+// start in `saved` (data, lo, step); `extra`: where row_bits, offsets [and mask] start.
+at::Tensor decode(AutogradContext* ctx, const variable_list& saved, size_t first = 0,
+                  size_t extra = 4) {
   const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
   const at::ScalarType dtype = ctx->saved_data["dtype"].toScalarType();
   const int64_t group_size = ctx->saved_data["group_size"].toInt();
@@ -90,26 +94,31 @@ at::Tensor decode(AutogradContext* ctx, const variable_list& saved) {
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, c10::SymIntArrayRef,
                                                  int64_t, int64_t, at::ScalarType)>();
-    return op.call(saved[0], saved[1], saved[2], c10::fromIntArrayRefSlow(shape),
-                   ctx->saved_data["bits"].toInt(), group_size, dtype);
+    return op.call(saved[first], saved[first + 1], saved[first + 2],
+                   c10::fromIntArrayRefSlow(shape), ctx->saved_data["bits"].toInt(), group_size,
+                   dtype);
   }
-  at::Tensor out = at::empty(shape, saved[0].options().dtype(dtype));
+  const at::Tensor& data = saved[first];
+  const at::Tensor& lo = saved[first + 1];
+  const at::Tensor& step = saved[first + 2];
+  const at::Tensor& row_bits = saved[extra];
+  const at::Tensor& offsets = saved[extra + 1];
+  at::Tensor out = at::empty(shape, data.options().dtype(dtype));
   if (out.numel() == 0) return out;
   const auto [n, d] = contract_rows(out.sizes());
   at::Tensor rows = out.view({n, d});
   if (kind == 2) {
-    dequantize_sparse_cpu(saved[0], saved[1], saved[2], saved[6], saved[4], saved[5],
-                          group_size, rows);
+    dequantize_sparse_cpu(data, lo, step, saved[extra + 2], row_bits, offsets, group_size, rows);
     return out;
   }
   if (out.device().is_cpu()) {
-    dequantize_cpu(saved[0], saved[1], saved[2], saved[4], saved[5], group_size, rows);
+    dequantize_cpu(data, lo, step, row_bits, offsets, group_size, rows);
     return out;
   }
 #ifdef ACTNN_ZOO_CUDA
   if (out.is_cuda()) {
     const c10::DeviceGuard guard(out.device());
-    dequantize_cuda(saved[0], saved[1], saved[2], saved[4], saved[5], group_size, rows);
+    dequantize_cuda(data, lo, step, row_bits, offsets, group_size, rows);
     return out;
   }
 #endif
@@ -386,6 +395,83 @@ at::Tensor qdropout(const at::Tensor& x, const at::Tensor& noise, const at::Tens
   return QDropoutFunction::apply(x, noise, packed, scale);
 }
 
+// -- Smooth activations --------------------------------------------------------------------
+// y = f(x) (torch's op, by name), saving the codes of f'(x) (made in Python: float32, of x's
+// shape, one width or per-sample widths); backward grad * f'(x)_hat in float32, cast back to
+// x's dtype, into the decoded copy: what functional/activation.py's
+// DerivativeActivationFunction computes, for the ops that do not read their output in backward.
+at::Tensor activation_forward(const at::Tensor& x, const std::string& op, double a, double b,
+                              const std::string& approximate) {
+  if (op == "gelu") return at::gelu(x, approximate);
+  if (op == "silu") return at::silu(x);
+  if (op == "elu") return at::elu(x, a);
+  if (op == "softplus") return at::softplus(x, a, b);
+  if (op == "hardswish") return at::hardswish(x);
+  if (op == "hardsigmoid") return at::hardsigmoid(x);
+  if (op == "mish") return at::mish(x);
+  TORCH_CHECK_VALUE(false, "qderivative: no compiled node for activation ", op);
+  return at::Tensor();
+}
+
+struct QDerivativeFunction : public torch::autograd::Function<QDerivativeFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& op,
+                            double a, double b, const std::string& approximate,
+                            const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+                            const OptTensor& row_bits, const OptTensor& offsets, int64_t bits,
+                            int64_t group_size) {
+    RECORD_USER_SCOPE("actnn_zoo::qderivative");
+    at::Tensor out = activation_forward(x, op, a, b, approximate);
+    const bool mixed = row_bits.has_value() && row_bits->defined();
+    TORCH_CHECK_VALUE(mixed == (offsets.has_value() && offsets->defined()),
+                      "qderivative: row_bits and offsets come together (per-sample widths)");
+    if (mixed) {
+      ctx->save_for_backward({data, lo, step, *row_bits, *offsets});
+    } else {
+      ctx->save_for_backward({data, lo, step});
+    }
+    ctx->saved_data["kind"] = static_cast<int64_t>(mixed ? 1 : 0);
+    ctx->saved_data["shape"] = x.sizes();
+    ctx->saved_data["dtype"] = at::ScalarType::Float;  // f'(x) was quantized in float32
+    ctx->saved_data["in_dtype"] = x.scalar_type();
+    ctx->saved_data["bits"] = bits;
+    ctx->saved_data["group_size"] = group_size;
+    ctx->saved_data["op"] = op;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_USER_SCOPE("actnn_zoo::qderivative_backward");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !at::GradMode::is_enabled(), "actnn_zoo: double backward (create_graph=True) through "
+        "compressed ", ctx->saved_data["op"].toStringRef(), " is not supported: its second "
+        "derivative is not saved. Use the torch layer (to_float()) or disable quantization for "
+        "it (qconfig.enabled=False).");
+    const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    const variable_list saved = ctx->get_saved_variables();
+    at::Tensor deriv = decode(ctx, saved, 0, 3);
+    const at::Tensor& g = grads[0];
+    // the decoded copy is this call's own: the product goes into it when it has the result's
+    // dtype and shape (the values of grad * deriv), as the Python Function does
+    at::Tensor gi = (at::promote_types(g.scalar_type(), deriv.scalar_type()) ==
+                             deriv.scalar_type() && deriv.sizes() == g.sizes())
+                        ? deriv.mul_(g)
+                        : g * deriv;
+    return {gi.to(ctx->saved_data["in_dtype"].toScalarType()), {}, {}, {}, {}, {}, {}, {},
+            {}, {}, {}, {}};
+  }
+};
+
+at::Tensor qderivative(const at::Tensor& x, const std::string& op, double a, double b,
+                       const std::string& approximate, const at::Tensor& data,
+                       const at::Tensor& lo, const at::Tensor& step, const OptTensor& row_bits,
+                       const OptTensor& offsets, int64_t bits, int64_t group_size) {
+  TORCH_CHECK_VALUE(lo.dim() == 2 && step.sizes() == lo.sizes(),
+                    "qderivative: lo and step must be (rows, groups) alike, got ", lo.sizes(),
+                    " and ", step.sizes());
+  return QDerivativeFunction::apply(x, op, a, b, approximate, data, lo, step, row_bits, offsets,
+                                    bits, group_size);
+}
+
 }  // namespace
 
 void register_qlayers(pybind11::module_& m) {
@@ -410,6 +496,14 @@ void register_qlayers(pybind11::module_& m) {
         py::arg("scale"),
         "out = x * noise (elementwise dropout's scaled noise) whose backward is grad * scale "
         "where `packed` (its keep bits) is set and grad * 0.0 elsewhere.");
+  m.def("qderivative", &qderivative, py::arg("x"), py::arg("op"), py::arg("a"), py::arg("b"),
+        py::arg("approximate"), py::arg("data"), py::arg("lo"), py::arg("step"),
+        py::arg("row_bits") = py::none(), py::arg("offsets") = py::none(), py::arg("bits"),
+        py::arg("group_size"),
+        "y = op(x) (gelu with `approximate`, silu, elu(alpha=a), softplus(beta=a, "
+        "threshold=b), hardswish, hardsigmoid, mish) whose backward is grad * f'(x) decoded "
+        "from its codes (float32, x's shape; row_bits and offsets for per-sample widths), in "
+        "x's dtype.");
 }
 
 }  // namespace actnn_zoo

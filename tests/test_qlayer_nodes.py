@@ -311,3 +311,102 @@ def test_dropout_node_double_backward_and_other_cases():
     y = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
     assert fdrop.dropout(y, 0.3).grad_fn.name() == "DropoutFunctionBackward"
     assert fdrop.dropout2d(y, 0.3).grad_fn.name() == "DropoutFunctionBackward"
+
+
+# -- smooth activations: ``_C.qderivative`` ----------------------------------------------------
+_ACT_OPS = {"gelu": ("none",), "gelu-tanh": ("tanh",), "silu": (), "elu": (0.7,),
+            "softplus": (2.0, 5.0), "hardswish": (), "hardsigmoid": (), "mish": ()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(op=st.sampled_from(sorted(_ACT_OPS)), shape=st.lists(st.integers(1, 9), min_size=1,
+                                                             max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       bits=st.sampled_from(["1", "2", "8", "mixed"]), handed=st.booleans())
+def test_activation_node_equals_the_python_function(op, shape, dtype, bits, handed):
+    from actnn_zoo.functional import activation as fact
+
+    name, params = op.split("-")[0], _ACT_OPS[op]
+    g0 = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g0) * 3).to(dtype)
+    g = torch.randn(shape, generator=g0).to(dtype)
+    if bits == "mixed" and x.dim() < 2:
+        bits = "2"
+    widths = _widths(bits, x.shape[0] if x.dim() > 1 else 1)
+
+    def run():
+        torch.manual_seed(3)
+        xi = x.clone().requires_grad_(True)
+        # a strategy's hand-off: f'(x) made from this x already
+        d = fact.activation_derivative(name, x, None, params) if handed else None
+        out = fact._deriv_apply(name, xi, params, LayerQConfig(bits=2), widths, False, d)
+        out.backward(g)
+        return out, [xi.grad]
+
+    out, got = run()
+    assert "QDerivativeFunction" in out.grad_fn.name(), out.grad_fn.name()
+    saved = fact._QDERIVATIVE
+    try:
+        fact._QDERIVATIVE = None
+        out2, want = run()
+    finally:
+        fact._QDERIVATIVE = saved
+    assert out2.grad_fn.name() == "DerivativeActivationFunctionBackward"
+    assert torch.equal(out, out2)
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+
+
+def test_activation_node_with_the_strategys_derivative_and_capture(monkeypatch):
+    """The default strategy at a budget that is no width hands its f'(x) to the layer: the node
+    takes it, and gradients and the capture report equal the Python Function's."""
+    from actnn_zoo.functional import activation as fact
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8), nn.SiLU())
+    x = torch.randn(8, 16) * torch.linspace(0.1, 4, 8)[:, None]
+    results = []
+    for node in (True, False):
+        q = az.convert_model(copy.deepcopy(model), bits=2.5, strategy="actnn")
+        if not node:
+            monkeypatch.setattr(fact, "_QDERIVATIVE", None)
+        for step in range(3):
+            q.zero_grad()
+            torch.manual_seed(7 + step)
+            out = q(x)
+            out.square().sum().backward()
+        monkeypatch.undo()
+        results.append((grad_nodes(out), str(az.capture_report(q)),
+                        [p.grad for p in q.parameters()]))
+    assert "QDerivativeFunction" in results[0][0]
+    assert "DerivativeActivationFunctionBackward" in results[1][0]
+    assert results[0][1] == results[1][1]
+    for a, b in zip(results[0][2], results[1][2]):
+        assert torch.equal(a, b)
+
+
+def test_activation_node_other_cases_and_double_backward(monkeypatch):
+    from actnn_zoo.functional import activation as fact
+
+    qc = LayerQConfig(bits=2)
+    x = torch.randn(4, 6, requires_grad=True)
+    out = fact.gelu(x, qconfig=qc)
+    assert "QDerivativeFunction" in out.grad_fn.name()
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    python = "DerivativeActivationFunctionBackward"
+    # in place, an op that reads its output, channels_last, float64, autocast, a rotation
+    assert fact.silu(x.clone(), inplace=True, qconfig=qc).grad_fn.name() == python
+    assert fact.sigmoid(x, qconfig=qc).grad_fn.name() == python
+    y = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    assert fact.gelu(y, qconfig=qc).grad_fn.name() == python
+    assert fact.gelu(x.double(), qconfig=qc).grad_fn.name() == python
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fact.gelu(x, qconfig=qc).grad_fn.name() == python
+    assert fact.gelu(x, qconfig=LayerQConfig(bits=2, transform="hadamard")).grad_fn.name() \
+        == python
+    # f'(x) made in chunks (a large map), or decoded in chunks in backward
+    monkeypatch.setattr(_saving, "PRODUCE_CHUNK_BYTES", 32)
+    assert fact.gelu(x, qconfig=qc).grad_fn.name() == python
+    monkeypatch.undo()
+    monkeypatch.setattr(_saving, "CHUNK_MIN_BYTES", 32)
+    assert fact.gelu(x, qconfig=LayerQConfig(bits=2, backward_chunks=2)).grad_fn.name() == python

@@ -22,12 +22,15 @@ from torch import Tensor
 
 from .._session import ZeroCodeClaim, ZeroCodeSlot, active_session, save_probe
 from ..config import LayerQConfig
-from ..quant import Bits, ops, pack_compare, unpack_mask
+from ..quant import Bits, SampleBits, ops, pack_compare, unpack_mask
+from ..quant.backend import extension
 from ..quant.api import masked_grad
 from ..quant.tensor import CompressedPayload
+from . import _saving
 from ._saving import (compress, compress_produced, dequantize_rows, from_memory_order, load,
-                      load_codes, memory_perm, restore, sample_chunks, save, save_codes,
-                      to_memory_order)
+                      load_codes, memory_perm, produce_bounds, restore, sample_chunks, save,
+                      save_codes, to_memory_order)
+from .linear import _CUDA_NODES, node_codes
 
 OptBits = Optional[Bits]
 
@@ -373,9 +376,62 @@ def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConf
                  derivative: Optional[Tensor] = None) -> Tensor:
     """``derivative``: f'(x) as :func:`activation_derivative` makes it, already made from this
     very ``x`` (a precision strategy computes it to choose the widths, ``precision.stats``),
-    so that the Function does not compute it a second time."""
+    so that the Function does not compute it a second time. Where :func:`_node_applies` -- the
+    common case -- the autograd node is the compiled ``_C.qderivative`` (no Python in
+    backward); otherwise :class:`DerivativeActivationFunction`. Both save the same codes and
+    give the same gradients."""
     qconfig = LayerQConfig() if qconfig is None else qconfig
+    if _QDERIVATIVE is not None and not inplace and _node_applies(op, x, qconfig, bits,
+                                                                  derivative):
+        # what the Function's forward does up to its save: f'(x) whole (made from x detached:
+        # no graph, as inside a Function), compressed in float32
+        deriv = (activation_derivative(op, x.detach(), None, params) if derivative is None
+                 else derivative)
+        q = compress(deriv.to(torch.float32), qconfig, bits, maps=None)
+        del deriv
+        codes = node_codes(q)
+        if codes is not None:
+            a, b, approximate = _node_params(op, params)
+            return _QDERIVATIVE(x, op, a, b, approximate, *codes)
+        derivative = None  # (a payload the node does not decode: never with this qconfig)
     return DerivativeActivationFunction.apply(x, op, params, qconfig, bits, inplace, derivative)
+
+
+# The compiled autograd node of the smooth activations that do not read their output in
+# backward (cpp_ext/qlayers.cpp), None without the extension or in an older build.
+_QDERIVATIVE = getattr(extension(), "qderivative", None)
+_NODE_OPS = frozenset({"gelu", "silu", "elu", "softplus", "hardswish", "hardsigmoid", "mish"})
+
+
+def _node_applies(op: str, x: Tensor, qconfig: LayerQConfig, bits: OptBits,
+                  derivative: Optional[Tensor]) -> bool:
+    """Whether ``_C.qderivative`` computes what :class:`DerivativeActivationFunction` would:
+    an op that does not read its output, the plain quantizer (one width or per-sample widths),
+    a contiguous plain tensor of one of the node's dtypes on a device with kernels, no
+    autocast, f'(x) made whole (handed on, or small enough not to be made in chunks) and
+    decoded whole in backward (``backward_chunks`` off or a small input)."""
+    return (op in _NODE_OPS and type(x) is Tensor and x.dtype in _NODE_DTYPES
+            and x.is_contiguous() and qconfig.compressor == "quant"
+            and qconfig.transform == "none"
+            and (bits is None or isinstance(bits, (int, SampleBits)))
+            and (derivative is not None or produce_bounds(x.shape) is None)
+            and (qconfig.backward_chunks <= 1 or x.numel() * 4 < _saving.CHUNK_MIN_BYTES)
+            and (x.device.type == "cpu" or _CUDA_NODES)
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+_NODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _node_params(op: str, params: Tuple) -> Tuple[float, float, str]:
+    """(a, b, approximate) as ``_C.qderivative`` takes an op's parameters."""
+    if op == "gelu":
+        return 0.0, 0.0, params[0]
+    if op == "elu":
+        return float(params[0]), 0.0, "none"
+    if op == "softplus":
+        return float(params[0]), float(params[1]), "none"
+    return 0.0, 0.0, "none"
 
 
 def gelu(x: Tensor, approximate: str = "none", qconfig: Optional[LayerQConfig] = None,

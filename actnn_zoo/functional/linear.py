@@ -169,21 +169,26 @@ def compiled_node_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor],
             and not torch.is_autocast_enabled(x.device.type))
 
 
-def node_codes(q: Payload, weight: Tensor) -> Optional[tuple]:
+def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[tuple]:
     """``q`` as a compiled node takes it -- (data, lo, step, row_bits, offsets, mask, bits,
-    group_size) -- or None for a payload it does not decode (a rotation). Inside a capture
-    session the store is told that the node saves these tensors and ``weight`` on purpose
-    (tier 3 passes them through, as for a Python Function's save)."""
+    group_size) for a layer's input, (data, lo, step, row_bits, offsets, bits, group_size)
+    without ``weight`` (an activation's f'(x), never sparse codes) -- or None for a payload it
+    does not decode (a rotation). Inside a capture session the store is told that the node
+    saves these tensors (and ``weight``) on purpose (tier 3 passes them through, as for a
+    Python Function's save)."""
     if type(q) is QuantizedTensor and q.transform == "none":
         codes = (q.data, q.lo, q.step, q.row_bits, q.offsets, None, q.bits or 0, q.group_size)
-    elif type(q) is SparseQuantizedTensor:  # a ReLU output's codes, shared with the ReLU
+    elif type(q) is SparseQuantizedTensor and weight is not None:  # a ReLU output's codes
         codes = (q.data, q.lo, q.step, q.row_bits, q.offsets, q.mask, 0, q.group_size)
     else:
         return None
     session = active_session()
     if session is not None:
-        session.store.keep(*q.tensors(), weight)
-    return codes
+        if weight is None:
+            session.store.keep(*q.tensors())
+        else:
+            session.store.keep(*q.tensors(), weight)
+    return codes if weight is not None else codes[:5] + codes[6:]
 
 
 class LinearFunction(torch.autograd.Function):
