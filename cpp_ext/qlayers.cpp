@@ -1,4 +1,4 @@
-// The autograd nodes of QLinear, QConv, QDropout and the smooth activations in C++: the
+// The autograd nodes of QLinear, QConv, QDropout and the activations in C++: the
 // forward is torch's op, the backward decodes what was saved and makes the gradients, with no
 // Python on the way.
 //
@@ -9,8 +9,9 @@
 // these nodes in the common case -- the plain quantizer (one width, per-sample widths or a
 // ReLU output's sparse codes), one dtype, no autocast, the input decoded whole; for conv a
 // plain (not transposed) convolution with numeric zero padding; for dropout elementwise, out
-// of place, contiguous; for an activation out of place, contiguous, one that does not read
-// its output in backward -- and their Python Functions otherwise. Both compute the same
+// of place, contiguous; for a mask activation contiguous and not sharing its mask with the
+// next layer's codes; for a smooth one out of place, contiguous, one that does not read its
+// output in backward -- and their Python Functions otherwise. Both compute the same
 // outputs and gradients (tests/test_qlayer_nodes.py compares them bit for bit).
 //
 // The codes (dropout: the noise and its keep bits; an activation: those of f'(x)) are made in
@@ -395,6 +396,70 @@ at::Tensor qdropout(const at::Tensor& x, const at::Tensor& noise, const at::Tens
   return QDropoutFunction::apply(x, noise, packed, scale);
 }
 
+// -- Mask activations ----------------------------------------------------------------------
+// y = relu / leaky_relu(a) / hardtanh(a, b) of x (in place when asked: x marked dirty), saving
+// the packed bits of the slope that applied (made in Python by pack_compare, torch's backward
+// predicate); backward grad where the bit is set and +0.0 (off unset) or grad * off elsewhere:
+// the fused masked_grad kernel, or torch.where of the same products when the result must be
+// differentiable (functional/activation.py's MaskActivationFunction and quant.masked_grad).
+struct QMaskFunction : public torch::autograd::Function<QMaskFunction> {
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const at::Tensor& packed,
+                            const std::string& op, double a, double b, bool inplace,
+                            std::optional<double> off) {
+    RECORD_USER_SCOPE("actnn_zoo::qmask");
+    at::Tensor out;
+    if (op == "relu") {
+      out = inplace ? at::relu_(x) : at::relu(x);
+    } else if (op == "leaky_relu") {
+      out = inplace ? at::leaky_relu_(x, a) : at::leaky_relu(x, a);
+    } else if (op == "hardtanh") {
+      out = inplace ? at::hardtanh_(x, a, b) : at::hardtanh(x, a, b);
+    } else {
+      TORCH_CHECK_VALUE(false, "qmask: no compiled node for activation ", op);
+    }
+    if (inplace) ctx->mark_dirty({x});
+    ctx->save_for_backward({packed});
+    ctx->saved_data["off"] = off;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_USER_SCOPE("actnn_zoo::qmask_backward");
+    const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor packed = ctx->get_saved_variables()[0];
+    const c10::IValue off_value = ctx->saved_data["off"];
+    const std::optional<double> off =
+        off_value.isNone() ? std::nullopt : std::optional<double>(off_value.toDouble());
+    const at::Tensor& g = grads[0];
+    at::Tensor gx;
+    if ((at::GradMode::is_enabled() && g.requires_grad()) || g.numel() == 0) {
+      static const auto unpack = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("actnn_zoo::unpack_mask", "")
+                                     .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef)>();
+      const at::Tensor mask = unpack.call(packed, c10::fromIntArrayRefSlow(g.sizes()));
+      gx = off.has_value() ? at::where(mask, g, g * *off) : at::where(mask, g, 0.0);
+    } else if (g.device().is_cpu()) {
+      gx = masked_grad_cpu(g.contiguous(), packed, std::nullopt, off);
+    } else {
+#ifdef ACTNN_ZOO_CUDA
+      const c10::DeviceGuard guard(g.device());
+      gx = masked_grad_cuda(g.contiguous(), packed, std::nullopt, off);
+#else
+      TORCH_CHECK(false, "actnn_zoo: no masked_grad kernel for tensors on ", g.device());
+#endif
+    }
+    return {gx, {}, {}, {}, {}, {}, {}};
+  }
+};
+
+at::Tensor qmask(const at::Tensor& x, const at::Tensor& packed, const std::string& op, double a,
+                 double b, bool inplace, std::optional<double> off) {
+  TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.numel() == (x.numel() + 7) / 8,
+                    "qmask: packed must hold one bit per value of x ", x.sizes(), ", got ",
+                    packed.numel(), " bytes of ", packed.scalar_type());
+  return QMaskFunction::apply(x, packed, op, a, b, inplace, off);
+}
+
 // -- Smooth activations --------------------------------------------------------------------
 // y = f(x) (torch's op, by name), saving the codes of f'(x) (made in Python: float32, of x's
 // shape, one width or per-sample widths); backward grad * f'(x)_hat in float32, cast back to
@@ -496,6 +561,11 @@ void register_qlayers(pybind11::module_& m) {
         py::arg("scale"),
         "out = x * noise (elementwise dropout's scaled noise) whose backward is grad * scale "
         "where `packed` (its keep bits) is set and grad * 0.0 elsewhere.");
+  m.def("qmask", &qmask, py::arg("x"), py::arg("packed"), py::arg("op"), py::arg("a"),
+        py::arg("b"), py::arg("inplace"), py::arg("off") = py::none(),
+        "y = relu / leaky_relu(a) / hardtanh(a, b) of x (in place when asked) whose backward is "
+        "grad where `packed` (pack_compare of the slope's predicate) is set and +0.0, or grad * "
+        "off, elsewhere.");
   m.def("qderivative", &qderivative, py::arg("x"), py::arg("op"), py::arg("a"), py::arg("b"),
         py::arg("approximate"), py::arg("data"), py::arg("lo"), py::arg("step"),
         py::arg("row_bits") = py::none(), py::arg("offsets") = py::none(), py::arg("bits"),

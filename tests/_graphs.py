@@ -58,10 +58,10 @@ def grad_nodes(out: torch.Tensor) -> set:
         if node is not None and node not in nodes:
             nodes.add(node)
             todo += [f for f, _ in node.next_functions]
-    return {_name(n) for n in nodes}
+    return {node_name(n) for n in nodes}
 
 
-def _name(node) -> str:
+def node_name(node) -> str:
     """A Python node's class name; a C++ custom node's Function (``QLinearFunction`` of
     ``torch::autograd::CppNode<actnn_zoo::(anonymous namespace)::QLinearFunction>``)."""
     full = node.name()

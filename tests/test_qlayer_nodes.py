@@ -410,3 +410,69 @@ def test_activation_node_other_cases_and_double_backward(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(_saving, "CHUNK_MIN_BYTES", 32)
     assert fact.gelu(x, qconfig=LayerQConfig(bits=2, backward_chunks=2)).grad_fn.name() == python
+
+
+# -- mask activations: ``_C.qmask`` ------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(op=st.sampled_from(["relu", "leaky_relu", "leaky_relu_0", "leaky_relu_neg", "hardtanh",
+                           "relu6"]),
+       shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       inplace=st.booleans())
+def test_mask_node_equals_the_python_function(op, shape, dtype, inplace):
+    from actnn_zoo.functional import activation as fact
+
+    g0 = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g0) * 8).to(dtype)
+    x.view(-1)[0] = 0.0  # the predicates' edge
+    g = torch.randn(shape, generator=g0).to(dtype)
+    call = {"relu": lambda t: fact.relu(t, inplace),
+            "leaky_relu": lambda t: fact.leaky_relu(t, 0.2, inplace),
+            "leaky_relu_0": lambda t: fact.leaky_relu(t, 0.0, inplace),
+            "leaky_relu_neg": lambda t: fact.leaky_relu(t, -0.5, inplace),
+            "hardtanh": lambda t: fact.hardtanh(t, -1.3, 2.7, inplace),
+            "relu6": lambda t: fact.relu6(t, inplace)}[op]
+
+    def run():
+        leaf = x.clone().requires_grad_(True)
+        out = call(leaf * 1.0)  # a non-leaf: in place is allowed on it
+        gv = g.clone().requires_grad_(True)
+        # create_graph: differentiable in the incoming gradient (d/dg sum(grad_in) = slopes)
+        (gx,) = torch.autograd.grad(out, leaf, gv, create_graph=True)
+        (gg,) = torch.autograd.grad(gx.sum(), gv)
+        (plain,) = torch.autograd.grad(call(leaf * 1.0), leaf, g)
+        return out.detach(), gx.detach(), gg, plain
+
+    got = run()
+    saved = fact._QMASK
+    try:
+        fact._QMASK = None
+        want = run()
+    finally:
+        fact._QMASK = saved
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_mask_node_is_taken_where_no_codes_are_shared():
+    from actnn_zoo.functional import activation as fact
+
+    x = torch.randn(4, 6, requires_grad=True)
+    assert "QMaskFunction" in fact.relu(x * 1.0).grad_fn.name()
+    assert "QMaskFunction" in fact.leaky_relu(x * 1.0, 0.1, inplace=True).grad_fn.name()
+    y = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    assert fact.relu(y * 1.0).grad_fn.name() == "MaskActivationFunctionBackward"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    x = torch.randn(2, 3, 8, 8)
+    # without capture, the ReLU's mask through the node; with capture its codes are the next
+    # conv's (ZeroCodeSlot): the Python Function, which holds the claim
+    plain = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform", capture=False)
+    assert "QMaskFunction" in grad_nodes(plain(x))
+    shared = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+    for _ in range(2):
+        out = shared(x)
+    assert "MaskActivationFunctionBackward" in grad_nodes(out)
+    out.sum().backward()

@@ -181,9 +181,42 @@ def _claimed_grad(claim: ZeroCodeClaim, grad: Tensor) -> Tensor:
                        "original (torch's own ReLU raises for the same reason)")
 
 
+# The compiled autograd node of the mask activations (cpp_ext/qlayers.cpp), None without the
+# extension or in an older build.
+_QMASK = getattr(extension(), "qmask", None)
+
+
+def _mask_node(x: Tensor, op: str, a: float, b: float, inplace: bool) -> Optional[Tensor]:
+    """The mask path of :class:`MaskActivationFunction` as the compiled node ``_C.qmask``, for
+    a contiguous plain tensor of the fused kernels' dtypes on a device with kernels (the bits
+    in logical order, which is memory order then); None elsewhere. Bit-identical outputs and
+    gradients (tests/test_qlayer_nodes.py)."""
+    if not (_QMASK is not None and type(x) is Tensor and x.dtype in _MASK_NODE_DTYPES
+            and x.is_contiguous() and (x.device.type == "cpu" or _CUDA_NODES)):
+        return None
+    if op == "relu":  # the predicates of torch's backward kernels, as in the Function
+        packed, off = pack_compare(x, "not_le", 0.0, 0.0), None
+    elif op == "leaky_relu":
+        packed, off = pack_compare(x, "gt", 0.0, 0.0), (None if a == 0.0 else a)
+    else:
+        packed, off = pack_compare(x, "between", _bound(a, x.dtype, up=False),
+                                   _bound(b, x.dtype, up=True)), None
+    session = active_session()
+    if session is not None:
+        session.store.keep(packed)
+    return _QMASK(x, packed, op, a, b, inplace, off)
+
+
+_MASK_NODE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def relu(x: Tensor, inplace: bool = False, slot: Optional[ZeroCodeSlot] = None) -> Tensor:
     """ReLU saving a 1-bit mask for backward; with a module's ``slot``, nothing of its own
     where the next layer compresses the output (:class:`~actnn_zoo._session.ZeroCodeSlot`)."""
+    if slot is None or (not slot.probed and active_session() is None):
+        out = _mask_node(x, "relu", 0.0, 0.0, inplace)  # no claim, no probe to mirror
+        if out is not None:
+            return out
     out = MaskActivationFunction.apply(x, "relu", 0.0, 0.0, inplace, slot)
     if slot is not None and slot.waiting is not None:
         session = active_session()
@@ -195,6 +228,9 @@ def relu(x: Tensor, inplace: bool = False, slot: Optional[ZeroCodeSlot] = None) 
 
 def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
     """LeakyReLU saving a 1-bit sign mask (any slope, also negative with ``inplace``)."""
+    out = _mask_node(x, "leaky_relu", float(negative_slope), 0.0, inplace)
+    if out is not None:
+        return out
     return MaskActivationFunction.apply(x, "leaky_relu", float(negative_slope), 0.0, inplace)
 
 
@@ -203,6 +239,9 @@ def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0,
     """Hardtanh saving a 1-bit inside-the-range mask."""
     if min_val > max_val:
         raise ValueError("min_val cannot be greater than max_val")
+    out = _mask_node(x, "hardtanh", float(min_val), float(max_val), inplace)
+    if out is not None:
+        return out
     return MaskActivationFunction.apply(x, "hardtanh", float(min_val), float(max_val), inplace)
 
 
