@@ -824,3 +824,46 @@ def test_compiled_nodes_equal_the_python_functions_on_cuda(kind, widths):
     assert torch.equal(out, out2)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["gelu", "silu", "relu", "relu-inplace", "leaky_relu"])
+def test_activation_nodes_equal_the_python_functions_on_cuda(op):
+    """``_C.qderivative`` / ``_C.qmask`` (cpp_ext/qlayers.cpp) on CUDA, where ReLUs always keep
+    their own mask: outputs and gradients bit for bit those of the Python Functions at the
+    same seed (tests/test_qlayer_nodes.py on the CPU), double backward of the mask included."""
+    from actnn_zoo.config import LayerQConfig
+    from actnn_zoo.functional import activation as fact
+
+    attr = "_QDERIVATIVE" if op in ("gelu", "silu") else "_QMASK"
+    assert getattr(fact, attr) is not None
+    x = torch.randn(6, 5, 48, device=DEV) * 3
+    g = torch.linspace(-1, 1, x.numel(), device=DEV).view(x.shape)
+    call = {"gelu": lambda t: fact.gelu(t, qconfig=LayerQConfig(bits=2)),
+            "silu": lambda t: fact.silu(t, qconfig=LayerQConfig(bits=2)),
+            "relu": lambda t: fact.relu(t),
+            "relu-inplace": lambda t: fact.relu(t, inplace=True),
+            "leaky_relu": lambda t: fact.leaky_relu(t, 0.1)}[op]
+
+    def run():
+        torch.manual_seed(3)
+        leaf = x.clone().requires_grad_(True)
+        gv = g.clone().requires_grad_(True)
+        out = call(leaf * 1.0)
+        name = out.grad_fn.name()
+        if attr == "_QMASK":  # differentiable in the incoming gradient
+            (gx,) = torch.autograd.grad(out, leaf, gv, create_graph=True)
+            (gg,) = torch.autograd.grad(gx.sum(), gv)
+            return name, [out.detach(), gx.detach(), gg]
+        out.backward(g)
+        return name, [out.detach(), leaf.grad]
+
+    name, got = run()
+    assert ("QMaskFunction" if attr == "_QMASK" else "QDerivativeFunction") in name
+    saved = getattr(fact, attr)
+    try:
+        setattr(fact, attr, None)
+        _, want = run()
+    finally:
+        setattr(fact, attr, saved)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
