@@ -22,9 +22,10 @@ Models (random init, nothing downloaded):
 Modes: fp32 (the plain model), default (``convert_model(model)``: 2-bit average, actnn
 strategy, capture on), uniform-2 (2 bits everywhere, no strategy), no-capture (uniform 2 bits,
 ``capture: false``); each of these three also with ``-python`` appended: the same conversion
-with the linear, conv and dropout layers' Python autograd Functions instead of their compiled
-nodes (``cpp_ext/qlayers.cpp``), so one run measures what the nodes save; checkpoint (the plain model, ``torch.utils.checkpoint`` per block),
-compiled-fp32 (``torch.compile`` of the plain model), compiled (``actnn_zoo.compile`` of the
+with the layers' Python autograd Functions instead of their compiled nodes
+(``cpp_ext/qlayers.cpp``) and the norms' and attention's fused calls (``COMPILED_PATHS``), so
+one run measures what they save; checkpoint (the plain model, ``torch.utils.checkpoint`` per
+block), compiled-fp32 (``torch.compile`` of the plain model), compiled (``actnn_zoo.compile`` of the
 default conversion) and torch-compiled (``torch.compile`` of the default conversion: the
 Q-layers' traced forms), all with ``--backend`` (default inductor); the ratio of the last two
 to compiled-fp32 is the compiled target (``x c-fp32``). Compiled modes compile during the
@@ -60,19 +61,33 @@ CONVERSIONS = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
 OVERRIDES = {**CONVERSIONS, **{k + "-python": v for k, v in CONVERSIONS.items()}}
 
 
+# Every compiled node and fused call the layers take in the common case, by module and name:
+# None makes the layer run its Python autograd Function (each is read at call time).
+COMPILED_PATHS = (("linear", "_QLINEAR"), ("conv", "_QCONV"), ("dropout", "_QDROPOUT"),
+                  ("activation", "_QDERIVATIVE"), ("activation", "_QMASK"),
+                  ("norm", "_BN_FORWARD"), ("norm", "_LN_FORWARD"), ("norm", "_GN_FORWARD"),
+                  ("attention", "_WHOLE_FORWARD"))
+
+
 @contextlib.contextmanager
 def python_functions() -> Iterator[None]:
-    """Linear, conv and dropout layers run their Python autograd Functions, as without the
-    compiled nodes (functional/linear.py, conv.py and dropout.py take a node only while these
-    are set)."""
-    from actnn_zoo.functional import conv, dropout, linear
+    """The layers run their Python autograd Functions, as without the compiled nodes and the
+    norms' and attention's fused calls (``COMPILED_PATHS``), and the ``actnn`` strategy its
+    three-step width choice: what the step costs in Python glue alone."""
+    import importlib
 
-    nodes = linear._QLINEAR, conv._QCONV, dropout._QDROPOUT
-    linear._QLINEAR = conv._QCONV = dropout._QDROPOUT = None
+    from actnn_zoo.precision import actnn
+
+    slots = [(importlib.import_module(f"actnn_zoo.functional.{m}"), n) for m, n in COMPILED_PATHS]
+    slots.append((actnn, "_CHOOSE"))
+    saved = [getattr(mod, name) for mod, name in slots]
+    for mod, name in slots:
+        setattr(mod, name, None)
     try:
         yield
     finally:
-        linear._QLINEAR, conv._QCONV, dropout._QDROPOUT = nodes
+        for (mod, name), value in zip(slots, saved):
+            setattr(mod, name, value)
 
 
 class _Checkpointed(nn.Module):

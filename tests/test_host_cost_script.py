@@ -89,4 +89,24 @@ def test_python_modes_run_the_python_functions(capsys):
         linear.LinearFunction.apply = real
     assert n_q == 123
     assert seen.get("default", 0) == 0 and seen["default-python"] >= 48, seen
-    assert linear._QLINEAR is not None  # switched back on after the step
+    # every compiled path switched back on after the step
+    import importlib
+    for module, name in mod.COMPILED_PATHS:
+        assert getattr(importlib.import_module(f"actnn_zoo.functional.{module}"), name) \
+            is not None, name
+
+
+def test_python_modes_switch_every_compiled_path_off():
+    """Inside ``python_functions()`` each of ``COMPILED_PATHS`` (and the strategy's compiled
+    width choice) is None, so the layers take their Python Functions."""
+    import importlib
+
+    from actnn_zoo.precision import actnn
+
+    mod = _script()
+    with mod.python_functions():
+        for module, name in mod.COMPILED_PATHS:
+            assert getattr(importlib.import_module(f"actnn_zoo.functional.{module}"), name) \
+                is None, name
+        assert actnn._CHOOSE is None
+    assert actnn._CHOOSE is not None
