@@ -37,10 +37,10 @@ def _widths(kind: str, n: int) -> object:
     return int(kind)
 
 
-def _compare(run, node: str, python: str, module) -> None:
-    """``run()`` -> (output, grads) with the compiled node, then with the Python Function at
-    the same seed: bit-identical."""
-    attr = "_QLINEAR" if module is flinear else "_QCONV"
+def _compare(run, node: str, python: str, module, attr: str = "") -> torch.Tensor:
+    """``run()`` -> (output, grads) with the compiled node (``module.<attr>``), then with the
+    Python Function at the same seed: bit-identical. Returns the node's output."""
+    attr = attr or ("_QLINEAR" if module is flinear else "_QCONV")
     torch.manual_seed(3)
     out, got = run()
     assert node in out.grad_fn.name(), out.grad_fn.name()
@@ -56,6 +56,7 @@ def _compare(run, node: str, python: str, module) -> None:
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
         assert torch.equal(a, b)
+    return out
 
 
 @settings(max_examples=40, deadline=None)
@@ -282,17 +283,8 @@ def test_dropout_node_equals_the_python_function(shape, p, dtype):
 
     torch.manual_seed(3)
     ref = torch.nn.functional.dropout(x, p, True)  # torch's own draw: the same noise
-    out, got = run()
-    assert "QDropoutFunction" in out.grad_fn.name()
+    out = _compare(run, "QDropoutFunction", "DropoutFunctionBackward", fdrop, "_QDROPOUT")
     assert torch.equal(out, ref)
-    saved = fdrop._QDROPOUT
-    try:
-        fdrop._QDROPOUT = None
-        out2, want = run()
-    finally:
-        fdrop._QDROPOUT = saved
-    assert out2.grad_fn.name() == "DropoutFunctionBackward"
-    assert torch.equal(out, out2) and torch.equal(got[0], want[0])
 
 
 def test_dropout_node_double_backward_and_other_cases():
@@ -343,17 +335,8 @@ def test_activation_node_equals_the_python_function(op, shape, dtype, bits, hand
         out.backward(g)
         return out, [xi.grad]
 
-    out, got = run()
-    assert "QDerivativeFunction" in out.grad_fn.name(), out.grad_fn.name()
-    saved = fact._QDERIVATIVE
-    try:
-        fact._QDERIVATIVE = None
-        out2, want = run()
-    finally:
-        fact._QDERIVATIVE = saved
-    assert out2.grad_fn.name() == "DerivativeActivationFunctionBackward"
-    assert torch.equal(out, out2)
-    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    _compare(run, "QDerivativeFunction", "DerivativeActivationFunctionBackward", fact,
+             "_QDERIVATIVE")
 
 
 def test_activation_node_with_the_strategys_derivative_and_capture(monkeypatch):
