@@ -86,11 +86,9 @@ class ClaimStore(Protocol):
     (implemented by :class:`actnn_zoo.capture.store.CompressedStore`): stated here so that this
     module names no class of the layer above it."""
 
-    _probe_ptr: Optional[int]
-
     def probe_leaf(self) -> Tensor:
-        """The leaf :func:`save_probe` saves for this store (one per store), its storage's
-        address in ``_probe_ptr`` while the probe runs."""
+        """The leaf :func:`save_probe` saves for this store (one per store), which its pack
+        hook knows while the probe runs."""
 
     def claim(self, out: Tensor, claim: "ZeroCodeClaim", slot: "ZeroCodeSlot") -> None:
         """The first plain compression of ``out`` in this forward answers ``claim``."""
@@ -188,9 +186,8 @@ class ZeroCodeClaim:
 
 
 def save_probe(store: Optional[ClaimStore] = None) -> None:
-    """One tiny op that saves one tensor (``sin`` saves its 2-element input); ``store``: its
-    probe (made once per store, its storage noted) so that the store's pack hook can tell
-    whether it saw it."""
+    """One tiny op that saves one tensor (``sin`` saves its 2-element input); ``store``: the
+    store's own probe leaf, so that its pack hook can tell whether it saw it."""
     probe = torch.zeros(2, requires_grad=True) if store is None else store.probe_leaf()
     if torch.is_grad_enabled():
         probe.sin()

@@ -345,6 +345,31 @@ at::Tensor qconv(const at::Tensor& x, const at::Tensor& weight, const OptTensor&
                               std::move(dilation), groups, large);
 }
 
+// The backward of a layer that saved packed mask bits (quant.masked_grad): where the bit is set
+// grad (on unset) or grad * on, elsewhere +0.0 (off unset) or grad * off. `differentiable`:
+// torch.where of the same products, so a create_graph backward records it; otherwise the fused
+// masked_grad kernel.
+at::Tensor masked_backward(const at::Tensor& g, const at::Tensor& packed,
+                           std::optional<double> on, std::optional<double> off,
+                           bool differentiable) {
+  if (differentiable || g.numel() == 0) {
+    static const auto unpack = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("actnn_zoo::unpack_mask", "")
+                                   .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef)>();
+    const at::Tensor mask = unpack.call(packed, c10::fromIntArrayRefSlow(g.sizes()));
+    const at::Tensor kept = on.has_value() ? g * *on : g;
+    return off.has_value() ? at::where(mask, kept, g * *off) : at::where(mask, kept, 0.0);
+  }
+  if (g.device().is_cpu()) return masked_grad_cpu(g.contiguous(), packed, on, off);
+#ifdef ACTNN_ZOO_CUDA
+  const c10::DeviceGuard guard(g.device());
+  return masked_grad_cuda(g.contiguous(), packed, on, off);
+#else
+  TORCH_CHECK(false, "actnn_zoo: no masked_grad kernel for tensors on ", g.device());
+  return at::Tensor();
+#endif
+}
+
 // -- Dropout --------------------------------------------------------------------------------
 // out = x * noise, the noise (kept values at 1 / (1 - p), dropped at 0) drawn in Python as
 // torch's CPU dropout draws it; saved: its keep bits (pack_compare). Backward: grad * scale
@@ -365,25 +390,9 @@ struct QDropoutFunction : public torch::autograd::Function<QDropoutFunction> {
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor packed = ctx->get_saved_variables()[0];
     const double scale = ctx->saved_data["scale"].toDouble();
-    const at::Tensor& g = grads[0];
-    at::Tensor gx;
-    if (at::GradMode::is_enabled() || g.numel() == 0) {  // differentiable in grad
-      static const auto unpack = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("actnn_zoo::unpack_mask", "")
-                                     .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef)>();
-      const at::Tensor keep = unpack.call(packed, c10::fromIntArrayRefSlow(g.sizes()));
-      gx = at::where(keep, g * scale, g * 0.0);
-    } else if (g.device().is_cpu()) {
-      gx = masked_grad_cpu(g.contiguous(), packed, scale, 0.0);
-    } else {
-#ifdef ACTNN_ZOO_CUDA
-      const c10::DeviceGuard guard(g.device());
-      gx = masked_grad_cuda(g.contiguous(), packed, scale, 0.0);
-#else
-      TORCH_CHECK(false, "actnn_zoo: no masked_grad kernel for tensors on ", g.device());
-#endif
-    }
-    return {gx, {}, {}, {}};
+    // differentiable in grad whenever the backward builds a graph
+    return {masked_backward(grads[0], packed, scale, 0.0, at::GradMode::is_enabled()), {}, {},
+            {}};
   }
 };
 
@@ -431,24 +440,11 @@ struct QMaskFunction : public torch::autograd::Function<QMaskFunction> {
     const std::optional<double> off =
         off_value.isNone() ? std::nullopt : std::optional<double>(off_value.toDouble());
     const at::Tensor& g = grads[0];
-    at::Tensor gx;
-    if ((at::GradMode::is_enabled() && g.requires_grad()) || g.numel() == 0) {
-      static const auto unpack = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("actnn_zoo::unpack_mask", "")
-                                     .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef)>();
-      const at::Tensor mask = unpack.call(packed, c10::fromIntArrayRefSlow(g.sizes()));
-      gx = off.has_value() ? at::where(mask, g, g * *off) : at::where(mask, g, 0.0);
-    } else if (g.device().is_cpu()) {
-      gx = masked_grad_cpu(g.contiguous(), packed, std::nullopt, off);
-    } else {
-#ifdef ACTNN_ZOO_CUDA
-      const c10::DeviceGuard guard(g.device());
-      gx = masked_grad_cuda(g.contiguous(), packed, std::nullopt, off);
-#else
-      TORCH_CHECK(false, "actnn_zoo: no masked_grad kernel for tensors on ", g.device());
-#endif
-    }
-    return {gx, {}, {}, {}, {}, {}, {}};
+    // as quant.masked_grad: differentiable when the result must be (a graph, a grad that
+    // requires one)
+    return {masked_backward(g, packed, std::nullopt, off,
+                            at::GradMode::is_enabled() && g.requires_grad()),
+            {}, {}, {}, {}, {}, {}};
   }
 };
 

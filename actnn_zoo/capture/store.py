@@ -287,10 +287,9 @@ class CompressedStore:
         # wanted), by memory key; the probe of hooks_innermost
         self._offers: Dict[tuple, Tuple["weakref.ref[Tensor]", ZeroCodeSlot]] = {}
         self._claims: Dict[tuple, Tuple[ZeroCodeClaim, ZeroCodeSlot]] = {}
-        self._probe_ptr: Optional[int] = None
-        self._probe_seen = False
         self._probe_leaf: Optional[Tensor] = None  # what hooks_innermost's probe saves
-        self._probe_leaf_ptr = -1
+        self._probing = False  # while it runs
+        self._probe_seen = False
         # Outer hooks (set by the session before it enters its hooks): ``hooks`` is the
         # session's own saved_tensors_hooks context, left and re-entered around each box
         self.boxing = False
@@ -404,21 +403,19 @@ class CompressedStore:
         runs it also outside sessions, so that a checkpoint counts the same saves in the
         forward and in its recomputation)."""
         self._probe_seen = False
+        self._probing = True
         try:
             save_probe(self)
         finally:
-            self._probe_ptr = None
+            self._probing = False
         return self._probe_seen
 
     def probe_leaf(self) -> Tensor:
         """The 2-element leaf :func:`save_probe` saves (made once per store: a new leaf per
-        ReLU call cost an allocation), its storage noted for :meth:`_pack`."""
-        leaf = self._probe_leaf
-        if leaf is None:
-            leaf = self._probe_leaf = torch.zeros(2, requires_grad=True)
-            self._probe_leaf_ptr = _storage_ptr(leaf)
-        self._probe_ptr = self._probe_leaf_ptr
-        return leaf
+        ReLU call cost an allocation); :meth:`pack` knows it by identity."""
+        if self._probe_leaf is None:
+            self._probe_leaf = torch.zeros(2, requires_grad=True)
+        return self._probe_leaf
 
     def finish(self) -> None:
         """End of the forward: claims no save answered fall back to masks and turn their
@@ -474,7 +471,7 @@ class CompressedStore:
             if saving.get(key) is t:
                 del saving[key]
                 return t
-        if t is self._probe_leaf and self._probe_ptr is not None:  # hooks_innermost's probe
+        if self._probing and t is self._probe_leaf:  # hooks_innermost's probe
             self._probe_seen = True
             return t
         return self._pack_hook(t)
@@ -554,9 +551,6 @@ class CompressedStore:
         saving = self._saving
         if saving and saving.get(id(t)) is t:  # saved by the zoo Function that called keep()
             del saving[id(t)]  # (counted by keep)
-            return t
-        if self._probe_ptr is not None and _storage_ptr(t) == self._probe_ptr:
-            self._probe_seen = True  # hooks_innermost's probe
             return t
         stats = self.stats
         if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):

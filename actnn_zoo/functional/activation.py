@@ -97,6 +97,20 @@ def _bound(v: float, dtype: torch.dtype, up: bool) -> float:
 _MASK_OPS = ("relu", "leaky_relu", "hardtanh")
 
 
+def _predicate(op: str, a: float, b: float, dtype: torch.dtype
+               ) -> Tuple[str, float, float, float]:
+    """(pack_compare kind, lo, hi, the slope where the bit is clear) of a mask activation:
+    torch's backward predicate, compared in ``dtype``."""
+    if op == "relu":  # threshold_backward(grad, result, 0): result <= 0 -> 0
+        return "not_le", 0.0, 0.0, 0.0
+    if op == "leaky_relu":  # leaky_relu_backward: x > 0 ? grad : grad * slope
+        return "gt", 0.0, 0.0, a
+    if op == "hardtanh":  # hardtanh_backward: x <= min || x >= max -> 0
+        # At NaN torch's vectorised loop gives 0 and its scalar tail the gradient; we give 0.
+        return "between", _bound(a, dtype, up=False), _bound(b, dtype, up=True), 0.0
+    raise ValueError(f"unknown mask activation {op!r}; expected one of {_MASK_OPS}")
+
+
 class MaskActivationFunction(torch.autograd.Function):
     """``f`` with slope 1 where the mask is set and slope ``a`` (LeakyReLU) or 0 elsewhere.
 
@@ -125,16 +139,7 @@ class MaskActivationFunction(torch.autograd.Function):
             save(ctx)
             return out
         # The mask, packed in one read of x (quant.pack_compare), with torch's backward predicate
-        if op == "relu":  # threshold_backward(grad, result, 0): result <= 0 -> 0
-            kind, lo, hi, other = "not_le", 0.0, 0.0, 0.0
-        elif op == "leaky_relu":  # leaky_relu_backward: x > 0 ? grad : grad * slope
-            kind, lo, hi, other = "gt", 0.0, 0.0, a
-        elif op == "hardtanh":  # hardtanh_backward: x <= min || x >= max -> 0
-            # At NaN torch's vectorised loop gives 0 and its scalar tail the gradient; we give 0.
-            kind, other = "between", 0.0
-            lo, hi = _bound(a, x.dtype, up=False), _bound(b, x.dtype, up=True)
-        else:
-            raise ValueError(f"unknown mask activation {op!r}; expected one of {_MASK_OPS}")
+        kind, lo, hi, other = _predicate(op, a, b, x.dtype)
         perm = memory_perm(x)
         xm = to_memory_order(x, perm)
         packed, mshape = pack_compare(xm, kind, lo, hi), xm.shape
@@ -194,17 +199,12 @@ def _mask_node(x: Tensor, op: str, a: float, b: float, inplace: bool) -> Optiona
     if not (_QMASK is not None and type(x) is Tensor and x.dtype in _MASK_NODE_DTYPES
             and x.is_contiguous() and (x.device.type == "cpu" or _CUDA_NODES)):
         return None
-    if op == "relu":  # the predicates of torch's backward kernels, as in the Function
-        packed, off = pack_compare(x, "not_le", 0.0, 0.0), None
-    elif op == "leaky_relu":
-        packed, off = pack_compare(x, "gt", 0.0, 0.0), (None if a == 0.0 else a)
-    else:
-        packed, off = pack_compare(x, "between", _bound(a, x.dtype, up=False),
-                                   _bound(b, x.dtype, up=True)), None
+    kind, lo, hi, other = _predicate(op, a, b, x.dtype)
+    packed = pack_compare(x, kind, lo, hi)
     session = active_session()
     if session is not None:
         session.store.keep(packed)
-    return _QMASK(x, packed, op, a, b, inplace, off)
+    return _QMASK(x, packed, op, a, b, inplace, None if other == 0.0 else other)
 
 
 _MASK_NODE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

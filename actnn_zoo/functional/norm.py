@@ -42,14 +42,14 @@ from torch import Tensor
 
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, ops
-from ..quant.norm_backward import (batch_norm_backward_codes, group_norm_backward_codes,
-                                   layer_norm_backward_codes, reads_codes)
+from ..quant.api import draw_seed
+from ..quant.backend import extension
+from ..quant.norm_backward import (batch_norm_backward_codes, channels_last,
+                                   group_norm_backward_codes, layer_norm_backward_codes,
+                                   reads_codes)
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
                       load_codes, restore, sample_chunks, save, save_codes)
 from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
-from ..quant.api import draw_seed
-from ..quant.backend import extension
-from ..quant.norm_backward import channels_last
 from ._autocast import no_autocast
 from .linear import cast, dtype_of, first_order_only, memory_format_of
 
