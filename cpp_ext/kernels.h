@@ -107,6 +107,17 @@ at::Tensor rounding_variance_correct_cpu(
     int64_t stat_block, int64_t stat_period, const std::optional<at::Tensor>& weight,
     int64_t weight_block, int64_t weight_period, double divisor);
 
+// attention_dropout_cpu.cpp: the attention Function's forward and backward when one tile
+// holds the call (float32 (N, L, E), (N, S, E), (N, S, Ev); dropout when threshold >= 0).
+at::Tensor attention_whole_forward_cpu(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, double scale, bool causal,
+                                       int64_t threshold, int64_t s1, int64_t s2,
+                                       double drop_scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_whole_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
+    const std::optional<at::Tensor>& v, double scale, bool causal, int64_t threshold,
+    int64_t s1, int64_t s2, double drop_scale, bool need_q, bool need_k, bool need_v);
+
 #ifdef ACTNN_ZOO_CUDA
 // Raise when the current CUDA stream is being captured into a CUDA graph (torch.cuda.graph,
 // torch.compile's mode="reduce-overhead"): a replay launches the kernel with the seed it was

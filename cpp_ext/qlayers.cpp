@@ -27,6 +27,8 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace actnn_zoo {
 
@@ -80,15 +82,13 @@ Needed needed(AutogradContext* ctx) {
           ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)};
 }
 
-// The decoded input: the actnn_zoo::dequantize_uniform operator for one width, the general or
-// the sparse kernel with the saved row widths and offsets otherwise. `first`: where the codes
-// start in `saved` (data, lo, step); `extra`: where row_bits, offsets [and mask] start.
-at::Tensor decode(AutogradContext* ctx, const variable_list& saved, size_t first = 0,
-                  size_t extra = 4) {
-  const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
-  const at::ScalarType dtype = ctx->saved_data["dtype"].toScalarType();
-  const int64_t group_size = ctx->saved_data["group_size"].toInt();
-  const int64_t kind = ctx->saved_data["kind"].toInt();
+// A payload decoded: the actnn_zoo::dequantize_uniform operator for one width (kind 0), the
+// general (1) or the sparse (2) kernel with the saved row widths and offsets. `first`: where
+// its codes start in `saved` (data, lo, step); `extra`: where row_bits, offsets [and mask]
+// start.
+at::Tensor decode_payload(const variable_list& saved, size_t first, size_t extra, int64_t kind,
+                          at::IntArrayRef shape, at::ScalarType dtype, int64_t bits,
+                          int64_t group_size) {
   if (kind == 0) {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("actnn_zoo::dequantize_uniform", "")
@@ -96,8 +96,7 @@ at::Tensor decode(AutogradContext* ctx, const variable_list& saved, size_t first
                                                  const at::Tensor&, c10::SymIntArrayRef,
                                                  int64_t, int64_t, at::ScalarType)>();
     return op.call(saved[first], saved[first + 1], saved[first + 2],
-                   c10::fromIntArrayRefSlow(shape), ctx->saved_data["bits"].toInt(), group_size,
-                   dtype);
+                   c10::fromIntArrayRefSlow(shape), bits, group_size, dtype);
   }
   const at::Tensor& data = saved[first];
   const at::Tensor& lo = saved[first + 1];
@@ -125,6 +124,15 @@ at::Tensor decode(AutogradContext* ctx, const variable_list& saved, size_t first
 #endif
   TORCH_CHECK(false, "actnn_zoo: no dequantize kernel for tensors on ", out.device());
   return out;
+}
+
+// The decoded input of a node that saved one payload (save_codes' layout in saved_data).
+at::Tensor decode(AutogradContext* ctx, const variable_list& saved, size_t first = 0,
+                  size_t extra = 4) {
+  return decode_payload(saved, first, extra, ctx->saved_data["kind"].toInt(),
+                        ctx->saved_data["shape"].toIntVector(),
+                        ctx->saved_data["dtype"].toScalarType(), ctx->saved_data["bits"].toInt(),
+                        ctx->saved_data["group_size"].toInt());
 }
 
 // Identity on a weight gradient made inside a create_graph backward when the input required a
@@ -533,6 +541,115 @@ at::Tensor qderivative(const at::Tensor& x, const std::string& op, double a, dou
                                     bits, group_size);
 }
 
+// -- Attention ------------------------------------------------------------------------------
+// F.scaled_dot_product_attention when one tile holds the call (functional/attention.py,
+// _attention_node: float32 on the CPU, no mask, no broadcasting): the forward and backward are
+// attention_whole_forward / _backward, and the payloads are the codes of q, k [and v] that
+// Python made through the capture store (v only when dq or dk can be needed). `codes`: six
+// entries per payload (data, lo, step, row_bits, offsets, mask; the last three None for one
+// width), `bits` one per payload (0: per-sample widths or sparse codes).
+struct QAttentionFunction : public torch::autograd::Function<QAttentionFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, at::IntArrayRef out_shape, double scale,
+                            bool causal, int64_t threshold, int64_t s1, int64_t s2,
+                            double drop_scale, const std::vector<OptTensor>& codes,
+                            const std::vector<int64_t>& bits, int64_t group_size) {
+    RECORD_USER_SCOPE("actnn_zoo::qattention");
+    at::Tensor out =
+        attention_whole_forward_cpu(q, k, v, scale, causal, threshold, s1, s2, drop_scale)
+            .reshape(out_shape);
+    variable_list kept;
+    std::vector<int64_t> first, kinds;
+    for (size_t i = 0; i < bits.size(); ++i) {
+      const OptTensor* c = &codes[6 * i];
+      const bool mixed = c[3].has_value() && c[3]->defined();
+      const bool sparse = c[5].has_value() && c[5]->defined();
+      first.push_back(static_cast<int64_t>(kept.size()));
+      kinds.push_back(sparse ? 2 : mixed ? 1 : 0);
+      for (int j = 0; j < (sparse ? 6 : mixed ? 5 : 3); ++j) kept.push_back(*c[j]);
+    }
+    ctx->save_for_backward(kept);
+    ctx->saved_data["first"] = first;
+    ctx->saved_data["kind"] = kinds;
+    ctx->saved_data["bits"] = bits;
+    ctx->saved_data["group_size"] = group_size;
+    const at::Tensor* given[] = {&query, &key, &value};
+    const at::Tensor* flat[] = {&q, &k, &v};
+    for (size_t i = 0; i < 3; ++i) {  // the inputs' shapes, and their rows'
+      ctx->saved_data["shape" + std::to_string(i)] = given[i]->sizes();
+      ctx->saved_data["rows" + std::to_string(i)] = flat[i]->sizes();
+    }
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["drop"] = std::vector<int64_t>{threshold, s1, s2};
+    ctx->saved_data["drop_scale"] = drop_scale;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_USER_SCOPE("actnn_zoo::qattention_backward");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !at::GradMode::is_enabled(), "actnn_zoo: double backward (create_graph=True) through "
+        "compressed scaled_dot_product_attention is not supported: its second derivative is "
+        "not saved. Use the torch layer (to_float()) or disable quantization for it "
+        "(qconfig.enabled=False).");
+    const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    const variable_list saved = ctx->get_saved_variables();
+    const auto first = ctx->saved_data["first"].toIntVector();
+    const auto kinds = ctx->saved_data["kind"].toIntVector();
+    const auto bits = ctx->saved_data["bits"].toIntVector();
+    const int64_t group_size = ctx->saved_data["group_size"].toInt();
+    auto shape = [&](const char* what, size_t i) {
+      return ctx->saved_data[what + std::to_string(i)].toIntVector();
+    };
+    auto payload = [&](size_t i) {  // q, k, v were quantized in their inputs' shapes
+      const size_t f = static_cast<size_t>(first[i]);
+      return decode_payload(saved, f, f + 3, kinds[i], shape("shape", i), at::kFloat, bits[i],
+                            group_size)
+          .reshape(shape("rows", i));
+    };
+    const bool need_q = ctx->needs_input_grad(0), need_k = ctx->needs_input_grad(1),
+               need_v = ctx->needs_input_grad(2);
+    const at::Tensor q = payload(0), k = payload(1);
+    const OptTensor v = bits.size() > 2 ? OptTensor(payload(2)) : std::nullopt;
+    const auto drop = ctx->saved_data["drop"].toIntVector();
+    const auto v_rows = shape("rows", 2);
+    const at::Tensor go = grads[0].reshape({v_rows[0], q.size(1), v_rows[2]});
+    auto [dq, dk, dv] = attention_whole_backward_cpu(
+        go, q, k, v, ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+        drop[0], drop[1], drop[2], ctx->saved_data["drop_scale"].toDouble(), need_q, need_k,
+        need_v);
+    return {need_q ? dq.reshape(shape("shape", 0)) : at::Tensor(),
+            need_k ? dk.reshape(shape("shape", 1)) : at::Tensor(),
+            need_v ? dv.reshape(shape("shape", 2)) : at::Tensor(),
+            {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  }
+};
+
+at::Tensor qattention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      at::IntArrayRef out_shape, double scale, bool causal, int64_t threshold,
+                      int64_t s1, int64_t s2, double drop_scale,
+                      const std::vector<OptTensor>& codes, const std::vector<int64_t>& bits,
+                      int64_t group_size) {
+  TORCH_CHECK_VALUE((bits.size() == 2 || bits.size() == 3) && codes.size() == 6 * bits.size(),
+                    "qattention: the codes of q, k [and v], six entries each, with one width "
+                    "each; got ", codes.size(), " entries and ", bits.size(), " widths");
+  for (size_t i = 0; i < bits.size(); ++i) {
+    for (int j = 0; j < 3; ++j) {
+      TORCH_CHECK_VALUE(codes[6 * i + j].has_value() && codes[6 * i + j]->defined(),
+                        "qattention: payload ", i, " lacks its data, lo or step");
+    }
+  }
+  TORCH_CHECK_VALUE(q.numel() == query.numel() && k.numel() == key.numel() &&
+                        v.numel() == value.numel(),
+                    "qattention: q, k and v must be query, key and value as (N, rows, "
+                    "features)");
+  return QAttentionFunction::apply(query, key, value, q, k, v, out_shape, scale, causal,
+                                   threshold, s1, s2, drop_scale, codes, bits, group_size);
+}
+
 }  // namespace
 
 void register_qlayers(pybind11::module_& m) {
@@ -562,6 +679,15 @@ void register_qlayers(pybind11::module_& m) {
         "y = relu / leaky_relu(a) / hardtanh(a, b) of x (in place when asked) whose backward is "
         "grad where `packed` (pack_compare of the slope's predicate) is set and +0.0, or grad * "
         "off, elsewhere.");
+  m.def("qattention", &qattention, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out_shape"), py::arg("scale"),
+        py::arg("causal"), py::arg("threshold"), py::arg("s1"), py::arg("s2"),
+        py::arg("drop_scale"), py::arg("codes"), py::arg("bits"), py::arg("group_size"),
+        "CPU only: scaled_dot_product_attention when one tile holds the call "
+        "(attention_whole_forward of q, k, v: (N, rows, features) views of query, key and "
+        "value), reshaped to out_shape, whose backward decodes q, k [and v] from their codes "
+        "(six entries each: data, lo, step, row_bits, offsets, mask; one width per payload, 0 "
+        "for per-sample widths or sparse codes) and runs attention_whole_backward.");
   m.def("qderivative", &qderivative, py::arg("x"), py::arg("op"), py::arg("a"), py::arg("b"),
         py::arg("approximate"), py::arg("data"), py::arg("lo"), py::arg("step"),
         py::arg("row_bits") = py::none(), py::arg("offsets") = py::none(), py::arg("bits"),

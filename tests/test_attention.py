@@ -54,8 +54,21 @@ def block(n: int) -> Iterator[None]:
 
 
 @contextmanager
+def python_function() -> Iterator[None]:
+    """Calls run the Python Function, whose backward decodes through ``restore`` (the compiled
+    node decodes in C++; tests/test_qlayer_nodes.py shows it bit-identical to the Function)."""
+    old = attn._QATTENTION
+    attn._QATTENTION = None
+    try:
+        yield
+    finally:
+        attn._QATTENTION = old
+
+
+@contextmanager
 def recording_restore() -> Iterator[List[Tensor]]:
-    """Collect the dequantized q, k (, v) that backward reads."""
+    """Collect the dequantized q, k (, v) that backward reads (the Python Function's: enter
+    :func:`python_function` around the forward too)."""
     seen: List[Tensor] = []
     orig = attn.restore
 
@@ -153,7 +166,7 @@ def test_forward_equals_torch_and_backward_is_exact_at_dequantized_inputs(case):
     causal, p = case["kind"] == "causal", case["dropout"]
     kw = dict(attn_mask=mask, is_causal=causal, scale=case["scale"], enable_gqa=case["gqa"])
     torch.manual_seed(case["seed"])
-    with block(case["block"]):
+    with block(case["block"]), python_function():
         out = scaled_dot_product_attention(q, k, v, dropout_p=p, **kw)
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
         with recording_restore() as hat:
@@ -840,6 +853,10 @@ def test_plain_torch_path_without_grad_or_when_disabled():
                                        qconfig=LayerQConfig(enabled=False))
     assert torch.equal(out, ref) and "ScaledDotProductAttentionFunction" not in str(out.grad_fn)
     out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    if attn._QATTENTION is not None:  # one tile holds the call: the compiled node
+        assert "QAttentionFunction" in out.grad_fn.name()
+    with python_function():
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
     assert type(out.grad_fn).__name__ == "ScaledDotProductAttentionFunctionBackward"
     assert issubclass(ScaledDotProductAttentionFunction, torch.autograd.Function)
 

@@ -37,10 +37,14 @@ def _run(q, k, v, grads, mask=None, **kw) -> list:
 
 
 def _both(q, k, v, grads, mask=None, **kw) -> dict:
+    # the Function's paths (the compiled node, which runs the same two calls, is
+    # tests/test_qlayer_nodes.py's)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "_QATTENTION", None)
         spy = _Spy(mp)
         got = _run(q, k, v, grads, mask, **kw)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "_QATTENTION", None)
         mp.setattr(attn, "_WHOLE_FORWARD", None)
         want = _run(q, k, v, grads, mask, **kw)
     for a, b in zip(got, want):

@@ -210,6 +210,27 @@ def test_analytic_derivative_matches_autograd(name):
     assert_identical(d, exact)  # torch's own backward kernel, unit gradient
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced", "transposed"])
+def test_exact_gelu_derivative_any_layout_and_grad_mode(dtype, layout):
+    """The exact GELU's f'(x) on the CPU runs over a dense unit gradient (out=, in place): the
+    values the stride-0 unit gradient gives (torch's kernel picks its loop by layout, and its
+    loops may differ in the last bit, so both are compared on the same input), in the input's
+    memory order, also for a grad-requiring input under grad mode (out= would refuse one)."""
+    x = torch.randn(2, 3, 5, 4, dtype=dtype) * 4
+    x = {"contiguous": x, "channels_last": x.contiguous(memory_format=torch.channels_last),
+         "sliced": x[:, 1:], "transposed": x.transpose(1, 3)}[layout]
+    leaf = x.detach().requires_grad_(True)
+    unit = torch.ones((), dtype=dtype).expand(x.shape)
+    want = torch.ops.aten.gelu_backward(unit, x, approximate="none")
+    d = activation_derivative("gelu", leaf, None, ("none",))
+    assert d.requires_grad is False and d.stride() == want.stride()
+    assert_identical(d, want)
+    if layout == "contiguous":  # and autograd's, for a dense upstream gradient
+        (exact,) = torch.autograd.grad(F.gelu(leaf), leaf, torch.ones_like(leaf))
+        assert_identical(d, exact)
+
+
 @pytest.mark.parametrize("name", list(DERIV_LAYERS))
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_deriv_layers_8bit_cosine(name, channels_last):

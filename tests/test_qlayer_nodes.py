@@ -4,6 +4,7 @@ the same guarantees (double backward, retain_graph, autograd's in-place check, t
 store's accounting)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -459,3 +460,140 @@ def test_mask_node_is_taken_where_no_codes_are_shared():
         out = shared(x)
     assert "MaskActivationFunctionBackward" in grad_nodes(out)
     out.sum().backward()
+
+
+# -- attention: ``_C.qattention`` --------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 3), L=st.integers(1, 12), S=st.integers(1, 12),
+       e=st.integers(1, 9), ev=st.integers(1, 9), causal=st.booleans(),
+       dropout=st.sampled_from([0.0, 0.3]), transposed=st.booleans(),
+       bits=st.sampled_from([2, 4, 8]),
+       grads=st.sampled_from([(True, True, True), (True, False, False), (False, True, False),
+                              (False, False, True), (False, True, True)]))
+def test_attention_node_equals_the_python_function(b, h, L, S, e, ev, causal, dropout,
+                                                   transposed, bits, grads):
+    from actnn_zoo.functional import attention as fattn
+
+    if causal:
+        S = min(S, L)  # a causal call holds every key in its one tile only then
+    g0 = torch.Generator().manual_seed(1)
+    if transposed:  # (B, L, H, E) transposed, as transformers pass q: its rows are a copy
+        q = torch.randn(b, L, h, e, generator=g0).transpose(1, 2)
+    else:
+        q = torch.randn(b, h, L, e, generator=g0)
+    k, v = torch.randn(b, h, S, e, generator=g0), torch.randn(b, h, S, ev, generator=g0)
+    g = torch.randn(b, h, L, ev, generator=g0)
+
+    def run():
+        qi, ki, vi = (t.clone().requires_grad_(r) for t, r in zip((q, k, v), grads))
+        out = fattn.scaled_dot_product_attention(qi, ki, vi, dropout_p=dropout,
+                                                 is_causal=causal,
+                                                 qconfig=LayerQConfig(bits=bits))
+        out.backward(g)
+        return out, [t.grad for t in (qi, ki, vi) if t.requires_grad]
+
+    _compare(run, "QAttentionFunction", "ScaledDotProductAttentionFunctionBackward", fattn,
+             "_QATTENTION")
+
+
+def test_attention_node_in_a_model_with_capture(monkeypatch):
+    """GPT-2's pattern (q, k, v split from one projection, heads transposed, causal, dropout),
+    converted: the node's gradients and capture report equal the Python Function's, and it
+    saves only codes (the store keeps them, tier 3 adds nothing)."""
+    from actnn_zoo.functional import attention as fattn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+            self.out = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = (t.view(2, 16, 4, 8).transpose(1, 2) for t in self.qkv(x).split(32, -1))
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1,
+                                                                 is_causal=True)
+            return self.out(o.transpose(1, 2).reshape(2, 16, 32))
+
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(2, 16, 32)
+    results = []
+    for node in (True, False):
+        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+        if not node:
+            monkeypatch.setattr(fattn, "_QATTENTION", None)
+        for step in range(2):
+            q.zero_grad()
+            torch.manual_seed(7 + step)
+            out = q(x)
+            out.square().sum().backward()
+        monkeypatch.undo()
+        results.append((grad_nodes(out), str(az.capture_report(q)),
+                        [p.grad for p in q.parameters()]))
+    assert "QAttentionFunction" in results[0][0]
+    assert "ScaledDotProductAttentionFunctionBackward" in results[1][0]
+    assert results[0][1] == results[1][1]
+    assert "scaled_dot_product_attention" in results[0][1]
+    for a, b in zip(results[0][2], results[1][2]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["mask", "float64", "bfloat16", "broadcast", "tiles",
+                                  "causal S > L", "autocast", "hadamard", "division"])
+def test_attention_node_other_cases_keep_the_python_function(case, monkeypatch):
+    from actnn_zoo.functional import attention as fattn
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    mask, kw, qc = None, {}, LayerQConfig(bits=4)
+    context = contextlib.nullcontext()
+    if case == "mask":
+        mask = torch.randn(6, 6, generator=g)
+    elif case in ("float64", "bfloat16"):
+        q, k, v = (t.to(getattr(torch, case)) for t in (q, k, v))
+    elif case == "broadcast":
+        k, v = k[:1], v[:1]
+    elif case == "tiles":
+        monkeypatch.setattr(fattn, "BLOCK_ELEMENTS", 12)
+    elif case == "causal S > L":
+        q, kw = q[:, :, :3], {"is_causal": True}
+    elif case == "autocast":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif case == "hadamard":
+        qc = LayerQConfig(bits=4, group_size=32, transform="hadamard")
+    else:
+        qc = LayerQConfig(bits=4, compressor="division")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with context:
+        out = fattn.scaled_dot_product_attention(q, k, v, mask, qconfig=qc, **kw)
+    assert out.grad_fn.name() == "ScaledDotProductAttentionFunctionBackward"
+
+
+def test_attention_node_double_backward_retain_graph_and_arguments():
+    from actnn_zoo.functional import attention as fattn
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 5, 4, generator=g).requires_grad_() for _ in range(3))
+    out = fattn.scaled_dot_product_attention(q, k, v, qconfig=LayerQConfig(bits=8))
+    assert "QAttentionFunction" in out.grad_fn.name()
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    loss = fattn.scaled_dot_product_attention(q, k, v, qconfig=LayerQConfig(bits=8)).sum()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (q, k, v)]
+    loss.backward()  # the codes are read again
+    for t, f in zip((q, k, v), first):
+        torch.testing.assert_close(t.grad, 2 * f)
+
+    x = q.detach()
+    data, lo, step = fattn.extension().quantize_uniform(x, 8, 256, 1, True)
+    codes = [data, lo, step, None, None, None]
+    with pytest.raises(ValueError, match="six entries each"):
+        fattn._QATTENTION(q, k, v, x, x, x, (2, 5, 4), 0.5, False, -1, 0, 0, 1.0, codes, [8],
+                          256)
+    with pytest.raises(ValueError, match="lacks its data"):
+        fattn._QATTENTION(q, k, v, x, x, x, (2, 5, 4), 0.5, False, -1, 0, 0, 1.0,
+                          codes + [data, None, step, None, None, None], [8, 8], 256)
+    with pytest.raises(ValueError, match="as \\(N, rows, features\\)"):
+        fattn._QATTENTION(q, k, v, x[:1], x, x, (2, 5, 4), 0.5, False, -1, 0, 0, 1.0,
+                          codes * 2, [8, 8], 256)

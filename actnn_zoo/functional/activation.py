@@ -266,11 +266,19 @@ def activation_derivative(op: str, x: Tensor, y: Optional[Tensor] = None,
     """f'(x) in opmath precision (float32; float64 for float64 input).
 
     Computed by torch's own public backward kernel applied to a unit gradient (a stride-0
-    expanded 1, so no extra memory), hence exactly torch's derivative, in one fused pass.
+    expanded 1, so no extra memory; for the exact GELU on the CPU a dense one the result
+    overwrites), hence exactly torch's derivative, in one fused pass.
     ``y`` (the output) is used where torch's backward uses it (sigmoid, tanh).
     """
     aten = torch.ops.aten
     t = _opmath(y if op in ("sigmoid", "tanh") else x)
+    if op == "gelu" and params[0] == "none" and t.device.type == "cpu":
+        # torch's CPU kernel of the exact GELU's backward does not vectorise a stride-0
+        # gradient (3x slower than with a dense one: 14 -> 4.5 ms on 4M values, same values);
+        # a dense one, overwritten in place, costs no memory beyond the result (out= takes no
+        # part in autograd: t detached, as f'(x) is never differentiated)
+        d = torch.ones_like(t)
+        return aten.gelu_backward.grad_input(d, t.detach(), approximate="none", grad_input=d)
     one = torch.ones((), dtype=t.dtype, device=t.device).expand(t.shape)
     if op == "sigmoid":
         return aten.sigmoid_backward(one, t)

@@ -109,7 +109,8 @@ from torch import Tensor
 
 from .._torch_private import tensor_version
 from ..config import LayerQConfig
-from ..quant import Bits
+from .._session import active_session
+from ..quant import Bits, QuantizedTensor, SparseQuantizedTensor
 from ..quant.api import draw_seed
 from ..quant.backend import extension
 from ..quant.hash32 import fmix32_int as _fmix32_int
@@ -134,6 +135,8 @@ _EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}  # exp() still a norm
 # extension or in an older build.
 _WHOLE_FORWARD = getattr(extension(), "attention_whole_forward", None)
 _WHOLE_BACKWARD = getattr(extension(), "attention_whole_backward", None)
+# The whole call as one compiled autograd node (cpp_ext/qlayers.cpp): see _attention_node
+_QATTENTION = getattr(extension(), "qattention", None)
 
 _M32 = 0xFFFFFFFF
 _I32_MIN = -(1 << 31)
@@ -551,6 +554,55 @@ def _whole_compiled(plan: "_Plan", is_causal: bool, mask: Optional[_Mask],
             and (drop is None or drop.compiled))
 
 
+def _attention_node(query: Tensor, key: Tensor, value: Tensor, p: float, is_causal: bool,
+                    scale: Optional[float], enable_gqa: bool, qconfig: LayerQConfig,
+                    bits: Optional[Bits]) -> Optional[Tensor]:
+    """The call as the compiled autograd node ``_C.qattention``, where it computes what
+    :class:`ScaledDotProductAttentionFunction`'s whole-call path would, bit for bit: no mask,
+    one tile holds the call (:meth:`_Plan.whole`), float32 plain tensors on the CPU outside
+    autocast, the plain quantizer at one width. Else None, with nothing drawn or compressed.
+
+    Why: at GPT-2's short sequences the Function's Python (apply, ctx, save and load, the
+    backward's decoding) cost about as much as its arithmetic. The seed and the codes are drawn
+    in the Function's order (the dropout seed, then q, k, v through the capture store), and the
+    store is told the node keeps the codes, as :func:`~._saving.save` tells it."""
+    width = qconfig.bits if bits is None else bits
+    if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor
+            and query.device.type == "cpu"
+            and query.dtype == key.dtype == value.dtype == torch.float32
+            and qconfig.compressor == "quant" and qconfig.transform == "none"
+            and isinstance(width, int) and not torch.is_autocast_enabled("cpu")):
+        return None
+    plan = _Plan(query.shape, key.shape, value.shape, enable_gqa, query.device, BLOCK_ELEMENTS)
+    if not plan.whole(is_causal):
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(plan.E) if plan.E else float("inf")
+    drop = _Dropout(draw_seed(), p, plan.L, plan.S, query.device) if p > 0 else None
+    with torch.no_grad():  # as inside the Function's forward
+        q, k, v = _rows(query), _rows(key), _rows(value)
+        payloads = [compress(r.view(t.shape), qconfig, width, maps=False)
+                    for r, t in ((q, query), (k, key), (v, value))[
+                        :3 if query.requires_grad or key.requires_grad else 2]]
+    codes: List[Optional[Tensor]] = []
+    widths: List[int] = []
+    for c in payloads:
+        if type(c) is QuantizedTensor and c.transform == "none":
+            codes += [c.data, c.lo, c.step, c.row_bits, c.offsets, None]
+            widths.append(c.bits or 0)
+        elif type(c) is SparseQuantizedTensor:  # q, k or v the output of a ReLU
+            codes += [c.data, c.lo, c.step, c.row_bits, c.offsets, c.mask]
+            widths.append(0)
+        else:
+            raise RuntimeError(f"actnn_zoo attention: the store answered {type(c).__name__} "
+                               "for a plain quantizer's payload")
+    session = active_session()
+    if session is not None:
+        session.store.keep(*[t for c in payloads for t in c.tensors()])
+    return _QATTENTION(query, key, value, q, k, v, (*plan.out_batch, plan.L, plan.Ev), scale,
+                       is_causal, *_drop_args(drop), codes, widths, qconfig.group_size)
+
+
 def _drop_args(drop: Optional[_Dropout]) -> Tuple[int, int, int, float]:
     """(threshold, s1, s2, scale) of the compiled whole-call functions; threshold -1: none."""
     if drop is None:
@@ -778,6 +830,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
                                               is_causal, scale=scale, enable_gqa=enable_gqa)
     p = float(dropout_p) if dropout_p > 0 else 0.0  # torch: dropout_p <= 0 is no dropout
+    if _QATTENTION is not None and attn_mask is None:
+        out = _attention_node(query, key, value, p, bool(is_causal),
+                              None if scale is None else float(scale), bool(enable_gqa),
+                              qconfig, bits)
+        if out is not None:
+            return out
     return ScaledDotProductAttentionFunction.apply(
         query, key, value, attn_mask, p, bool(is_causal),
         None if scale is None else float(scale), bool(enable_gqa), qconfig, bits, mask_round,
