@@ -197,6 +197,25 @@ at::Tensor sample_offsets(int64_t d, const at::Tensor& bits, int64_t max_sum) {
   return out;
 }
 
+// quantize of x2d (N, D) at per-sample widths that promise to sum to at most max_sum
+// (quant.SampleBits) on the CPU: the row offsets made and checked as sample_offsets makes
+// them, the buffer sized from max_sum, then the kernel. Returns (data, lo, step, offsets): one
+// call where the layout took a Python frame and a call of its own per quantize.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_samples(
+    const at::Tensor& x2d, const at::Tensor& bits, int64_t max_sum, int64_t group_size,
+    int64_t seed, bool stochastic) {
+  TORCH_CHECK_VALUE(x2d.dim() == 2 && x2d.is_cpu() && bits.dim() == 1 &&
+                        bits.size(0) == x2d.size(0),
+                    "quantize_samples: x2d must be a 2-d CPU tensor with one width per row, got "
+                    "shape ", x2d.sizes(), " and ", bits.sizes(), " widths");
+  const int64_t n = x2d.size(0), d = x2d.size(1);
+  at::Tensor offsets = sample_offsets(d, bits, max_sum);
+  auto [data, lo, step] = actnn_zoo::quantize_cpu(x2d, bits.contiguous(), offsets,
+                                                  (d * max_sum + 7 * n) / 8, group_size, seed,
+                                                  stochastic);
+  return {data, lo, step, offsets};
+}
+
 // out: any shape, contiguous, its rows the contract's (as quantize_uniform's x).
 at::Tensor dequantize_uniform(const at::Tensor& data, const at::Tensor& lo,
                               const at::Tensor& step, int64_t bits, int64_t group_size,
@@ -323,6 +342,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_sum"),
         "CPU: row_offsets of per-sample widths, raising ValueError unless every width is 1, 2, "
         "4 or 8 and they sum to at most max_sum (the promises of quant.SampleBits).");
+  m.def("quantize_samples", &quantize_samples, nogil, py::arg("x2d"), py::arg("bits"),
+        py::arg("max_sum"), py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
+        "CPU: quantize at per-sample widths bits (N,) uint8 that sum to at most max_sum "
+        "(checked as sample_offsets checks them; the buffer holds (D * max_sum + 7 N) / 8 "
+        "bytes): (data, lo, step, row offsets).");
   m.def("quantize_uniform", &quantize_uniform, nogil, py::arg("x2d"), py::arg("bits"),
         py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
         "quantize with one width (1, 2, 4 or 8) for every row, rows back to back (total = "

@@ -118,6 +118,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_whole_backward_cpu(
     const std::optional<at::Tensor>& v, double scale, bool causal, int64_t threshold,
     int64_t s1, int64_t s2, double drop_scale, bool need_q, bool need_k, bool need_v);
 
+// norm_cpu.cpp: the norms' backward from the codes of x_hat at one width plus the
+// rounding-variance correction (grad_input or undefined, grad_weight, grad_bias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_fused_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    int64_t bits, int64_t group_size, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
+    int64_t var_offset, int64_t var_stride, bool need_input);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_fused_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    int64_t bits, int64_t group_size, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
+    int64_t var_offset, int64_t var_stride, int64_t normalized_numel, bool need_input);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_fused_cpu(
+    const at::Tensor& grad, const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
+    int64_t bits, int64_t group_size, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& var,
+    int64_t var_offset, int64_t var_stride, int64_t groups, bool need_input);
+
 #ifdef ACTNN_ZOO_CUDA
 // Raise when the current CUDA stream is being captured into a CUDA graph (torch.cuda.graph,
 // torch.compile's mode="reduce-overhead"): a replay launches the kernel with the seed it was

@@ -547,6 +547,7 @@ NormSave batch_norm_forward_codes_cpu(const at::Tensor& x,
                                       int64_t group_size, int64_t seed, bool stochastic,
                                       int64_t var_stride) {
   RECORD_USER_SCOPE("actnn_zoo::batch_norm_forward_codes");
+  const at::NoGradGuard no_grad;  // also when called outside a Function (_norm_node)
   check_norm_input(x, 2, var_stride, "batch_norm_forward_codes");
   auto [out, mean, invstd] = at::native_batch_norm(x, weight, bias, running_mean, running_var,
                                                    true, momentum, eps);
@@ -581,6 +582,7 @@ NormSave layer_norm_forward_codes_cpu(const at::Tensor& x, at::IntArrayRef norma
                                       int64_t bits, int64_t group_size, int64_t seed,
                                       bool stochastic, int64_t var_stride) {
   RECORD_USER_SCOPE("actnn_zoo::layer_norm_forward_codes");
+  const at::NoGradGuard no_grad;  // also when called outside a Function (_norm_node)
   check_norm_input(x, static_cast<int64_t>(normalized_shape.size()) + 1, var_stride,
                    "layer_norm_forward_codes");
   auto [out, mean, rstd] = at::native_layer_norm(x, normalized_shape, weight, bias, eps);
@@ -621,6 +623,7 @@ NormSave group_norm_forward_codes_cpu(const at::Tensor& x, int64_t groups,
                                       int64_t bits, int64_t group_size, int64_t seed,
                                       bool stochastic, int64_t var_stride) {
   RECORD_USER_SCOPE("actnn_zoo::group_norm_forward_codes");
+  const at::NoGradGuard no_grad;  // also when called outside a Function (_norm_node)
   check_norm_input(x, 2, var_stride, "group_norm_forward_codes");
   TORCH_CHECK_VALUE(groups > 0 && x.size(1) % groups == 0, x.size(1),
                     " channels do not split into ", groups, " groups");

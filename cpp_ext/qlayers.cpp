@@ -541,6 +541,102 @@ at::Tensor qderivative(const at::Tensor& x, const std::string& op, double a, dou
                                     bits, group_size);
 }
 
+// -- Norms ----------------------------------------------------------------------------------
+// Batch, layer and group norm where their fused CPU calls apply (functional/norm.py,
+// _norm_node): Python runs the fused forward (native_*_norm, the codes of x_hat, the sampled
+// rounding variances) and hands its results here in `made` -- out, data, lo, step, mean,
+// stat [, var] -- so that the capture store is told of the saves before they happen; the node
+// saves them as the Python Function does and its backward is the fused backward. `made` is
+// one argument, not a tensor list, so that `out` is this node's own output, not a view of an
+// input (which torch would forbid to modify in place: a ReLU after a batch norm).
+// kind: 0 batch norm, 1 layer norm (extra: values per row), 2 group norm (extra: groups).
+struct QNormFunction : public torch::autograd::Function<QNormFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& weight,
+                            const OptTensor& bias, const std::vector<at::Tensor>& made,
+                            int64_t kind, int64_t extra, int64_t bits, int64_t group_size,
+                            int64_t var_offset, int64_t var_stride, bool save_bias,
+                            const std::string& layer) {
+    RECORD_USER_SCOPE("actnn_zoo::qnorm");
+    auto given = [](const OptTensor& t) { return t.has_value() && t->defined(); };
+    const bool has_var = made.size() == 7;
+    variable_list saved(made.begin() + 1, made.begin() + 6);  // data, lo, step, mean, stat
+    if (given(weight)) saved.push_back(*weight);
+    if (save_bias && given(bias)) saved.push_back(*bias);
+    if (has_var) saved.push_back(made[6]);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["extra"] = extra;
+    ctx->saved_data["bits"] = bits;
+    ctx->saved_data["group_size"] = group_size;
+    ctx->saved_data["var"] = std::vector<int64_t>{has_var, var_offset, var_stride};
+    ctx->saved_data["weight"] = given(weight);
+    ctx->saved_data["bias"] = given(bias);
+    if (given(weight)) ctx->saved_data["weight_shape"] = weight->sizes();
+    if (given(bias)) ctx->saved_data["bias_shape"] = bias->sizes();
+    ctx->saved_data["layer"] = layer;
+    return made[0];
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_USER_SCOPE("actnn_zoo::qnorm_backward");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !at::GradMode::is_enabled(), "actnn_zoo: double backward (create_graph=True) through ",
+        ctx->saved_data["layer"].toStringRef(), " is not supported: its input gradient "
+        "depends on the input, of which only a compressed copy is kept. Use the torch layer "
+        "(to_float()) or set qconfig enabled=False for this layer.");
+    const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    const variable_list saved = ctx->get_saved_variables();
+    const bool has_weight = ctx->saved_data["weight"].toBool();
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const auto var = ctx->saved_data["var"].toIntVector();
+    const OptTensor weight = has_weight ? OptTensor(saved[5]) : std::nullopt;
+    const OptTensor codes = var[0] ? OptTensor(saved.back()) : std::nullopt;
+    const int64_t bits = ctx->saved_data["bits"].toInt();
+    const int64_t group_size = ctx->saved_data["group_size"].toInt();
+    const int64_t extra = ctx->saved_data["extra"].toInt();
+    const bool need_x = ctx->needs_input_grad(0);
+    const at::Tensor& g = grads[0];
+    at::Tensor gi, gw, gb;
+    switch (ctx->saved_data["kind"].toInt()) {
+      case 0:
+        std::tie(gi, gw, gb) = batch_norm_backward_fused_cpu(
+            g, saved[0], saved[1], saved[2], bits, group_size, saved[4], weight, codes, var[1],
+            var[2], need_x);
+        break;
+      case 1:
+        std::tie(gi, gw, gb) = layer_norm_backward_fused_cpu(
+            g, saved[0], saved[1], saved[2], bits, group_size, saved[4], weight, codes, var[1],
+            var[2], extra, need_x);
+        break;
+      default:
+        std::tie(gi, gw, gb) = group_norm_backward_fused_cpu(
+            g, saved[0], saved[1], saved[2], bits, group_size, saved[4], weight, codes, var[1],
+            var[2], extra, need_x);
+    }
+    const bool need_w = has_weight && ctx->needs_input_grad(1);
+    const bool need_b = has_bias && ctx->needs_input_grad(2);
+    return {need_x ? gi : at::Tensor(),
+            need_w ? gw.view(ctx->saved_data["weight_shape"].toIntVector()) : at::Tensor(),
+            need_b ? gb.view(ctx->saved_data["bias_shape"].toIntVector()) : at::Tensor(),
+            {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  }
+};
+
+at::Tensor qnorm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                 const std::vector<at::Tensor>& made, int64_t kind, int64_t extra, int64_t bits,
+                 int64_t group_size, int64_t var_offset, int64_t var_stride, bool save_bias,
+                 const std::string& layer) {
+  TORCH_CHECK_VALUE(made.size() == 6 || made.size() == 7,
+                    "qnorm: made must be (out, data, lo, step, mean, stat[, var]), got ",
+                    made.size(), " tensors");
+  TORCH_CHECK_VALUE(0 <= kind && kind <= 2, "qnorm: kind must be 0 (batch), 1 (layer) or 2 "
+                    "(group norm), got ", kind);
+  TORCH_CHECK_VALUE(made[0].sizes() == x.sizes() && !made[0].requires_grad(),
+                    "qnorm: out must be the norm's output of x's shape, made outside autograd");
+  return QNormFunction::apply(x, weight, bias, made, kind, extra, bits, group_size, var_offset,
+                              var_stride, save_bias, layer);
+}
+
 // -- Attention ------------------------------------------------------------------------------
 // F.scaled_dot_product_attention when one tile holds the call (functional/attention.py,
 // _attention_node: float32 on the CPU, no mask, no broadcasting): the forward and backward are
@@ -679,6 +775,14 @@ void register_qlayers(pybind11::module_& m) {
         "y = relu / leaky_relu(a) / hardtanh(a, b) of x (in place when asked) whose backward is "
         "grad where `packed` (pack_compare of the slope's predicate) is set and +0.0, or grad * "
         "off, elsewhere.");
+  m.def("qnorm", &qnorm, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("made"),
+        py::arg("kind"), py::arg("extra"), py::arg("bits"), py::arg("group_size"),
+        py::arg("var_offset"), py::arg("var_stride"), py::arg("save_bias"), py::arg("layer"),
+        "CPU only: a norm's output as an autograd node. made = (out, data, lo, step, mean, "
+        "stat[, var]) as batch/layer/group_norm_forward_codes returned them for x; kind 0 "
+        "batch, 1 layer (extra: values per row), 2 group norm (extra: groups); backward is "
+        "the matching *_backward_fused. save_bias: the bias is saved too (as layer norm's "
+        "Python Function does); layer names the layer in the double-backward error.");
   m.def("qattention", &qattention, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out_shape"), py::arg("scale"),
         py::arg("causal"), py::arg("threshold"), py::arg("s1"), py::arg("s2"),

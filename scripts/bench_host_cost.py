@@ -66,6 +66,7 @@ OVERRIDES = {**CONVERSIONS, **{k + "-python": v for k, v in CONVERSIONS.items()}
 COMPILED_PATHS = (("linear", "_QLINEAR"), ("conv", "_QCONV"), ("dropout", "_QDROPOUT"),
                   ("activation", "_QDERIVATIVE"), ("activation", "_QMASK"),
                   ("norm", "_BN_FORWARD"), ("norm", "_LN_FORWARD"), ("norm", "_GN_FORWARD"),
+                  ("norm", "_QNORM"),
                   ("attention", "_WHOLE_FORWARD"), ("attention", "_QATTENTION"))
 
 

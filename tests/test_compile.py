@@ -78,7 +78,7 @@ def test_default_trains_compiled_and_eager_in_turn(eager_steps):
     # a compiled step is one graph (the traced forms inside it); an eager one runs the
     # Q-layers' own Functions
     assert grad_nodes(compiled(x)) == {"CompiledFunctionBackward", "AccumulateGrad"}
-    assert {"QConvFunction", "BatchNormFunctionBackward",
+    assert {"QConvFunction", "QNormFunction",
             "QLinearFunction"} <= grad_nodes(model(x))
 
 

@@ -132,7 +132,10 @@ def test_group_norm_fused_equals_the_python_path(n, per_group, groups, spatial, 
 
 
 def test_fused_paths_are_taken_in_the_common_case():
+    """The Python Functions' fused calls (the compiled node, which calls the same two,
+    tests/test_qlayer_nodes.py, is off here: its backward is C++, out of the spy's sight)."""
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fnorm, "_QNORM", None)
         spy = _Spy(mp, "_BN_FORWARD", "_BN_BACKWARD", "_LN_FORWARD", "_LN_BACKWARD",
                    "_GN_FORWARD", "_GN_BACKWARD")
         _train(nn.BatchNorm2d(4), torch.randn(2, 4, 3, 3, requires_grad=True), steps=1)
@@ -175,10 +178,13 @@ def test_other_cases_keep_the_python_path(case):
 
 
 def test_a_channels_last_gradient_takes_the_python_backward():
-    """The fused backward reads (N, C, *) order; a channels-last gradient goes to aten as in the
-    Python path (so the two paths still agree)."""
-    def run(fused: bool):
+    """The Function's fused backward reads (N, C, *) order; a channels-last gradient goes to
+    aten as in the Python path (so the two paths still agree). The compiled node makes such a
+    gradient contiguous for the fused backward instead: the same gradient up to rounding."""
+    def run(fused: bool, node: bool = False):
         with pytest.MonkeyPatch.context() as mp:
+            if not node:
+                mp.setattr(fnorm, "_QNORM", None)
             if not fused:
                 mp.setattr(fnorm, "_BN_FORWARD", None)
             spy = _Spy(mp, "_BN_BACKWARD")
@@ -193,6 +199,9 @@ def test_a_channels_last_gradient_takes_the_python_backward():
     _, gi2, gw2 = run(False)
     assert calls == 0
     assert torch.equal(gi, gi2) and torch.equal(gw, gw2)
+    _, gi3, gw3 = run(True, node=True)
+    torch.testing.assert_close(gi3, gi, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw3, gw, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_norms_refuse_double_backward():

@@ -5,6 +5,7 @@ store's accounting)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 
 import pytest
@@ -597,3 +598,158 @@ def test_attention_node_double_backward_retain_graph_and_arguments():
     with pytest.raises(ValueError, match="as \\(N, rows, features\\)"):
         fattn._QATTENTION(q, k, v, x[:1], x, x, (2, 5, 4), 0.5, False, -1, 0, 0, 1.0,
                           codes * 2, [8, 8], 256)
+
+
+# -- norms: ``_C.qnorm`` -----------------------------------------------------------------------
+def _norm_call(kind: str, x, w, b, stats, qc, bits):
+    from actnn_zoo.functional import norm as fnorm
+
+    if kind == "batch":
+        return fnorm.batch_norm_train(x, w, b, *stats, 0.1, 1e-5, qc, bits)
+    if kind == "layer":
+        return fnorm.layer_norm_train(x, x.shape[-2:] if x.dim() > 3 else x.shape[-1:], w, b,
+                                      1e-5, qc, bits)
+    return fnorm.group_norm_train(x, 2, w, b, 1e-5, qc, bits)
+
+
+_NORM_FUNCTIONS = {"batch": "BatchNormFunctionBackward", "layer": "LayerNormFunctionBackward",
+                   "group": "GroupNormFunctionBackward"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["batch", "layer", "group"]), n=st.integers(1, 4),
+       c=st.sampled_from([2, 4, 6]), spatial=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+       affine=st.sampled_from(["both", "weight", "none"]), bits=st.sampled_from([1, 2, 4, 8]),
+       rounding=st.sampled_from(["stochastic", "nearest"]),
+       grads=st.sampled_from(["all", "input", "params"]))
+def test_norm_node_equals_the_python_function(kind, n, c, spatial, affine, bits, rounding,
+                                              grads):
+    from actnn_zoo.functional import norm as fnorm
+
+    if kind == "batch" and n * math.prod(spatial) < 2:
+        n = 2  # a batch norm needs more than one value per channel
+    if grads == "params" and affine == "none":
+        affine = "weight"
+    g0 = torch.Generator().manual_seed(1)
+    x = torch.randn(n, c, *spatial, generator=g0) * 3 + 1
+    feat = list(x.shape[-2:]) if kind == "layer" and x.dim() > 3 else [x.shape[-1]]
+    pshape = feat if kind == "layer" else [c]
+    w = torch.randn(pshape, generator=g0) if affine != "none" else None
+    b = torch.randn(pshape, generator=g0) if affine == "both" else None
+    g = torch.randn(x.shape, generator=g0)
+    qc = LayerQConfig(bits=bits, rounding=rounding)
+
+    def run():
+        xi = x.clone().requires_grad_(grads != "params")
+        wi = w.clone().requires_grad_(grads != "input") if w is not None else None
+        bi = b.clone().requires_grad_(grads != "input") if b is not None else None
+        stats = (torch.zeros(c), torch.ones(c)) if kind == "batch" else ()
+        out = _norm_call(kind, xi, wi, bi, stats, qc, bits)
+        out.backward(g)
+        leaves = [t for t in (xi, wi, bi) if t is not None and t.requires_grad]
+        return out, [t.grad for t in leaves] + list(stats)
+
+    _compare(run, "QNormFunction", _NORM_FUNCTIONS[kind], fnorm, "_QNORM")
+
+
+def test_norm_node_in_a_model_with_capture_and_an_in_place_relu(monkeypatch):
+    """A ResNet block (conv, batch norm, in-place ReLU) and a layer norm, converted: the nodes'
+    gradients, running statistics and capture report equal the Python Functions'; the ReLU
+    modifies the node's output in place (its own output, not a view of an input)."""
+    from actnn_zoo.functional import norm as fnorm
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+            self.relu = nn.ReLU(inplace=True)
+            self.ln = nn.LayerNorm(8)
+            self.gn = nn.GroupNorm(2, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.gn(self.relu(self.bn(self.conv(x))))
+            return self.ln(h.permute(0, 2, 3, 1).contiguous())
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 3, 6, 6)
+    results = []
+    for node in (True, False):
+        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+        if not node:
+            monkeypatch.setattr(fnorm, "_QNORM", None)
+        for step in range(2):
+            q.zero_grad()
+            torch.manual_seed(7 + step)
+            out = q(x)
+            out.square().sum().backward()
+        monkeypatch.undo()
+        results.append((grad_nodes(out), str(az.capture_report(q)),
+                        [p.grad for p in q.parameters()] + list(q.buffers())))
+    functions = {"BatchNormFunctionBackward", "LayerNormFunctionBackward",
+                 "GroupNormFunctionBackward"}
+    assert any("QNormFunction" in name for name in results[0][0])
+    assert not functions & results[0][0] and functions <= results[1][0]
+    assert results[0][1] == results[1][1]
+    for a, b in zip(results[0][2], results[1][2]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["channels_last", "float64", "autocast", "hadamard",
+                                  "division", "per-sample", "bias only", "no grad"])
+def test_norm_node_other_cases_keep_the_python_function(case):
+    from actnn_zoo.functional import norm as fnorm
+
+    x = torch.randn(2, 4, 3, 3)
+    w, b = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    qc, bits = LayerQConfig(bits=2), 2
+    context = contextlib.nullcontext()
+    if case == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif case == "float64":
+        x, w, b = x.double(), w.detach().double().requires_grad_(), b.detach().double()
+    elif case == "autocast":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif case == "hadamard":
+        qc = LayerQConfig(bits=2, group_size=32, transform="hadamard")
+    elif case == "division":
+        qc = LayerQConfig(bits=2, compressor="division")
+    elif case == "per-sample":
+        bits = _widths("mixed", 2)
+    elif case == "bias only":
+        w = w.detach()
+    x.requires_grad_(case not in ("bias only", "no grad"))
+    if case == "no grad":
+        context = torch.no_grad()
+    with context:
+        for kind in ("batch", "group"):
+            out = _norm_call(kind, x, w, b, (None, None) if kind == "batch" else (), qc, bits)
+            name = out.grad_fn.name() if out.grad_fn is not None else None
+            assert name == (None if case == "no grad" else _NORM_FUNCTIONS[kind]), (kind, name)
+
+
+def test_norm_node_double_backward_retain_graph_and_arguments():
+    from actnn_zoo.functional import norm as fnorm
+
+    x = torch.randn(4, 6, requires_grad=True)
+    w, b = torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)
+    qc = LayerQConfig(bits=8)
+    out = fnorm.layer_norm_train(x, [6], w, b, 1e-5, qc, 8)
+    assert "QNormFunction" in out.grad_fn.name()
+    with pytest.raises(NotImplementedError, match=r"double backward.*QLayerNorm"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    loss = fnorm.layer_norm_train(x, [6], w, b, 1e-5, qc, 8).square().sum()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (x, w, b)]
+    loss.backward()  # the codes are read again
+    for t, f in zip((x, w, b), first):
+        torch.testing.assert_close(t.grad, 2 * f)
+
+    made = list(fnorm._LN_FORWARD(x.detach(), [6], None, None, 1e-5, 8, 256, 1, True, 0))[:6]
+    with pytest.raises(ValueError, match="made must be"):
+        fnorm._QNORM(x, None, None, made[:5], 1, 6, 8, 256, 0, 0, False, "ln")
+    with pytest.raises(ValueError, match="kind must be"):
+        fnorm._QNORM(x, None, None, made, 3, 6, 8, 256, 0, 0, False, "ln")
+    with pytest.raises(ValueError, match="outside autograd"):
+        fnorm._QNORM(x, None, None, [made[0][:2]] + made[1:], 1, 6, 8, 256, 0, 0, False, "ln")

@@ -178,6 +178,24 @@ def test_sample_bits_reads_nothing_back_and_matches_a_widths_tensor(widths, d, s
     assert bound.nbytes == plain.nbytes + bound.data.numel() - used
 
 
+@settings(max_examples=30, deadline=None)
+@given(widths=st.lists(st.sampled_from(BITS), min_size=1, max_size=6),
+       inner=st.lists(st.integers(1, 40), min_size=1, max_size=2), spare=st.integers(0, 9),
+       group=st.sampled_from([32, 64, 256]), seed=st.integers(0, 2 ** 31 - 1))
+def test_sample_bits_one_call_equals_the_checked_layout(widths, inner, spare, group, seed):
+    """On the CPU, SampleBits quantize in one compiled call (``quantize_samples``: layout and
+    kernel); with the debug checks on (``validate=True``) the layout is made in Python and
+    checked first: the same payload, field for field."""
+    x = torch.randn(len(widths), *inner, generator=torch.Generator().manual_seed(seed))
+    sb = SampleBits(torch.tensor(widths, dtype=torch.uint8), sum(widths) + spare)
+    fast = az.quantize(x, sb, group_size=group, seed=seed)
+    checked = az.quantize(x, sb, group_size=group, seed=seed, validate=True)
+    for name in ("data", "lo", "step", "row_bits", "offsets"):
+        a, b = getattr(fast, name), getattr(checked, name)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert fast.shape == checked.shape == x.shape and fast.bits is None
+
+
 def test_sample_bits_promises_are_checked_on_cpu():
     x = torch.randn(3, 50)
     b = torch.tensor([2, 4, 1], dtype=torch.uint8)

@@ -167,8 +167,8 @@ def _layer_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any
         return func(*args, **kwargs)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     session.stats.route("layer_norm")
-    return N.LayerNormFunction.apply(x, shape, w, b, float(eps), session.qconfig,
-                                     session.qconfig.bits)
+    return N.layer_norm_train(x, shape, w, b, float(eps), session.qconfig,
+                              session.qconfig.bits)
 
 
 def _group_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
@@ -182,8 +182,8 @@ def _group_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any
     if not _saves(x) or x.dim() < 2 or x.shape[1] % int(groups):
         return func(*args, **kwargs)  # torch raises its own error for a bad group count
     session.stats.route("group_norm")
-    return N.GroupNormFunction.apply(x, int(groups), w, b, float(eps), session.qconfig,
-                                     session.qconfig.bits)
+    return N.group_norm_train(x, int(groups), w, b, float(eps), session.qconfig,
+                              session.qconfig.bits)
 
 
 def _batch_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
@@ -201,8 +201,8 @@ def _batch_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any
             or x.numel() // x.shape[1] <= 1):
         return func(*args, **kwargs)  # eval, nothing saved, or torch's own batch-size error
     session.stats.route("batch_norm")
-    return N.BatchNormFunction.apply(x, w, b, rm, rv, float(momentum), float(eps),
-                                     session.qconfig, session.qconfig.bits)
+    return N.batch_norm_train(x, w, b, rm, rv, float(momentum), float(eps), session.qconfig,
+                              session.qconfig.bits)
 
 
 # -- dropout --------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, ops
 from ..quant.api import draw_seed
@@ -221,6 +222,90 @@ def _fused_grads(ctx, grad_out: Tensor, call: Callable, need_wb: Tuple[bool, boo
                       saved[5] if has_weight else None, saved[-1] if has_var else None, offset,
                       stride, *extra, ctx.needs_input_grad[0])
     return gi, gw if need_wb[0] else None, gb if need_wb[1] else None
+
+
+# The norms as one compiled autograd node each (cpp_ext/qlayers.cpp, qnorm) where their fused
+# calls apply: see _norm_node
+_QNORM = getattr(extension(), "qnorm", None)
+
+
+def _norm_node(kind: int, call: Callable, x: Tensor, args: tuple, weight: Optional[Tensor],
+               bias: Optional[Tensor], extra: int, qconfig: LayerQConfig, bits: Bits, m: int,
+               layer: str) -> Optional[Tensor]:
+    """The norm as the compiled node ``_C.qnorm`` where its Python Function would take the
+    fused call (:func:`_norm_fused`'s case, without autocast), else None with nothing drawn:
+    the fused forward ``call(x, *args, ...)`` here, its saves handed to the node, the fused
+    backward in the node -- the same draws in the same order, the same saves, bit-identical
+    results (tests/test_qlayer_nodes.py; a channels-last gradient, which the Function hands to
+    aten, is made contiguous for the fused backward: the same gradient up to rounding). Why:
+    the Python Function's apply, ctx and backward cost ~15-20 us a call, as much as the norm
+    itself at small sizes. ``kind``: 0 batch, 1 layer, 2 group norm; ``extra``: the
+    backward's (values per row, groups); ``m``: values per statistic; ``layer`` names it in
+    the double-backward error."""
+    if not (_QNORM is not None and type(x) is Tensor and x.device.type == "cpu"
+            and x.dtype == torch.float32 and x.dim() >= 2 and x.is_contiguous()
+            and x.numel() > 0 and (weight is None or weight.dtype == torch.float32)
+            and (bias is None or bias.dtype == torch.float32)
+            and qconfig.compressor == "quant" and qconfig.transform == "none"
+            and type(bits) is int and torch.is_grad_enabled()
+            and (x.requires_grad or (weight is not None and weight.requires_grad))
+            and not torch.is_autocast_enabled("cpu")):
+        return None
+    stochastic = qconfig.rounding == "stochastic"
+    stride = norm_stride(m) if stochastic and x.requires_grad else 0
+    out, mean, stat, data, lo, step, var, offset = call(
+        x, *args, bits, qconfig.group_size, draw_seed() if stochastic else 0, stochastic, stride)
+    made = [out, data, lo, step, mean, stat] + ([var] if var is not None else [])
+    session = active_session()
+    if session is not None:  # what the Function's save() tells the store, in its order
+        session.store.keep(*[t for t in (data, lo, step, mean, stat, weight,
+                                         bias if kind == 1 else None, var) if t is not None])
+    return _QNORM(x, weight, bias, made, kind, extra, bits, qconfig.group_size, offset, stride,
+                  kind == 1, layer)
+
+
+def batch_norm_train(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                     running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                     momentum: float, eps: float, qconfig: LayerQConfig, bits: Bits) -> Tensor:
+    """Training batch norm saving its normalized input compressed: the compiled node where it
+    applies (:func:`_norm_node`), else :class:`BatchNormFunction`."""
+    if _BN_FORWARD is not None and x.dim() >= 2:
+        out = _norm_node(0, _BN_FORWARD, x, (weight, bias, running_mean, running_var, momentum,
+                                             eps), weight, bias, 0, qconfig, bits,
+                         x.numel() // max(x.shape[1], 1), "QBatchNorm (batch_norm)")
+        if out is not None:
+            return out
+    return BatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps,
+                                   qconfig, bits)
+
+
+def layer_norm_train(x: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor],
+                     bias: Optional[Tensor], eps: float, qconfig: LayerQConfig,
+                     bits: Bits) -> Tensor:
+    """Layer norm saving its normalized input compressed: the compiled node where it applies
+    (:func:`_norm_node`), else :class:`LayerNormFunction`."""
+    shape = list(normalized_shape)
+    if _LN_FORWARD is not None and len(shape) < x.dim():
+        m = math.prod(shape)
+        out = _norm_node(1, _LN_FORWARD, x, (shape, weight, bias, eps), weight, bias, m,
+                         qconfig, bits, m, "QLayerNorm (layer_norm)")
+        if out is not None:
+            return out
+    return LayerNormFunction.apply(x, tuple(normalized_shape), weight, bias, eps, qconfig, bits)
+
+
+def group_norm_train(x: Tensor, num_groups: int, weight: Optional[Tensor],
+                     bias: Optional[Tensor], eps: float, qconfig: LayerQConfig,
+                     bits: Bits) -> Tensor:
+    """Group norm saving its normalized input compressed: the compiled node where it applies
+    (:func:`_norm_node`), else :class:`GroupNormFunction`."""
+    if _GN_FORWARD is not None and x.dim() >= 2 and num_groups > 0 and x.shape[1] % num_groups == 0:
+        out = _norm_node(2, _GN_FORWARD, x, (num_groups, weight, bias, eps), weight, bias,
+                         num_groups, qconfig, bits, x.numel() // (x.shape[0] * num_groups),
+                         "QGroupNorm (group_norm)")
+        if out is not None:
+            return out
+    return GroupNormFunction.apply(x, num_groups, weight, bias, eps, qconfig, bits)
 
 
 def _bn_probe(x: Tensor) -> Tensor:

@@ -18,9 +18,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..config import LayerQConfig
-from ..functional.norm import (BatchNormFunction, GroupNormFunction, LayerNormFunction,
-                               NormalizedBatchNorm, NormalizedLayerNorm,
-                               SyncBatchNormFunction)
+from ..functional.norm import (NormalizedBatchNorm, NormalizedLayerNorm, SyncBatchNormFunction,
+                               batch_norm_train, group_norm_train, layer_norm_train)
 from ._base import QModule
 from .linear import use_function
 
@@ -94,8 +93,8 @@ class _QBatchNorm(QModule):
         factor = self._momentum_factor()
         running_mean, running_var = self._running()
         _verify_batch_size(input.size())
-        return BatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var,
-                                       factor, self.eps, self.qconfig, self.bits_for(input))
+        return batch_norm_train(input, self.weight, self.bias, running_mean, running_var,
+                                factor, self.eps, self.qconfig, self.bits_for(input))
 
 
 class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
@@ -172,9 +171,8 @@ class QSyncBatchNorm(_QBatchNorm, nn.SyncBatchNorm):
             world = dist.get_world_size(group)
         if world == 1:
             _verify_batch_size(input.size())
-            return BatchNormFunction.apply(input, self.weight, self.bias, running_mean,
-                                           running_var, factor, self.eps, self.qconfig,
-                                           self.bits_for(input))
+            return batch_norm_train(input, self.weight, self.bias, running_mean, running_var,
+                                    factor, self.eps, self.qconfig, self.bits_for(input))
         return SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean,
                                            running_var, factor, self.eps, group, world,
                                            self.qconfig, self.bits_for(input))
@@ -201,8 +199,8 @@ class QLayerNorm(QModule, nn.LayerNorm):
                 return super().forward(input)
             return NormalizedLayerNorm.apply(input, tuple(self.normalized_shape), weight,
                                              bias, self.eps, *width)  # torch.compile's
-        return LayerNormFunction.apply(input, tuple(self.normalized_shape), weight, bias,
-                                       self.eps, self.qconfig, self.bits_for(input))
+        return layer_norm_train(input, self.normalized_shape, weight, bias, self.eps,
+                                self.qconfig, self.bits_for(input))
 
 
 class QGroupNorm(QModule, nn.GroupNorm):
@@ -226,5 +224,5 @@ class QGroupNorm(QModule, nn.GroupNorm):
                                f"{input.dim()}")
         _verify_batch_size([input.size(0) * input.size(1) // self.num_groups, self.num_groups]
                            + list(input.size()[2:]))
-        return GroupNormFunction.apply(input, self.num_groups, self.weight, self.bias, self.eps,
-                                       self.qconfig, self.bits_for(input))
+        return group_norm_train(input, self.num_groups, self.weight, self.bias, self.eps,
+                                self.qconfig, self.bits_for(input))

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..config import LayerQConfig
 from ..functional.linear import linear, traced_linear
-from ..functional.norm import LayerNormFunction
+from ..functional.norm import layer_norm_train
 from ._base import QModule
 from .activation import QGELU, QMish, QSiLU
 from .linear import traced_width, use_function
@@ -106,8 +106,8 @@ class QLayerNorm2d(_ForeignOnly, nn.LayerNorm):
         if not use_function(self, input, self.weight, self.bias):
             return self.plain_forward(None, input)
         x = input.permute(0, 2, 3, 1)
-        x = LayerNormFunction.apply(x, tuple(self.normalized_shape), self.weight, self.bias,
-                                    self.eps, self.qconfig, self.bits_for(input))
+        x = layer_norm_train(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                             self.qconfig, self.bits_for(input))
         return x.permute(0, 3, 1, 2)
 
 

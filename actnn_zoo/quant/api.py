@@ -234,6 +234,17 @@ def _encode(x: Tensor, rows: Tensor, bits: Bits, group_size: int, seed: int, sto
                 rows.contiguous(), uniform, group_size, seed & 0xFFFFFFFF, stochastic)
         return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
                                transform=transform, transform_seed=tseed)
+    if (type(bits) is SampleBits and n * d and x.device.type == "cpu"
+            and bits.bits.shape[0] == n and bits.bits.device.type == "cpu"
+            and not debug_checks(validate)):
+        # the layer's per-sample widths (the actnn strategy's): layout and kernel in one call
+        fused = getattr(kernels(x.device), "quantize_samples", None)
+        if fused is not None:
+            data, lo, step, offsets = fused(
+                (rows if rows.dim() == 2 else as_rows(rows)).contiguous(), bits.bits,
+                bits.max_sum, group_size, seed & 0xFFFFFFFF, stochastic)
+            return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
+                                   bits.bits, offsets, transform, tseed)
     row_bits, offsets, total, _ = _rows_layout(bits, n, d, x.device, validate)
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
