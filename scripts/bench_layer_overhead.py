@@ -81,14 +81,15 @@ class _FloorLinear(nn.Linear):
         return _FloorLinearFunction.apply(x, self.weight, self.bias)
 
 
-def step_fn(layer: str, overrides, batch: int = 0) -> Callable[[], None]:
+def step_fn(layer: str, overrides, batch: int = 0, chain: int = 1) -> Callable[[], None]:
     """``batch`` > 0 replaces the input's batch size (0: the fixed-cost shape above);
-    ``overrides`` "floor": the linear layer as :class:`_FloorLinear`."""
+    ``overrides`` "floor": the linear layer as :class:`_FloorLinear`; ``chain``: that many
+    layers one after the other (one capture session per forward for all of them)."""
     make, shape = LAYERS[layer]
     if batch > 0:
         shape = (batch,) + tuple(shape[1:])
     torch.manual_seed(0)
-    model = nn.Sequential(make()).train()
+    model = nn.Sequential(*[make() for _ in range(chain)]).train()
     if overrides == "floor":
         floor = _FloorLinear(model[0].in_features, model[0].out_features)
         floor.load_state_dict(model[0].state_dict())
@@ -111,17 +112,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=0,
                    help="input batch size (default: 1, 2 for batch norm): a larger one times "
                         "the layer's arithmetic too, e.g. --layers bn --batch 512")
+    p.add_argument("--chain", type=int, default=1,
+                   help="time a chain of this many layers and report per layer call: the "
+                        "capture session, paid once per forward, is then shared as in a model "
+                        "(layers that keep their input's shape; not maxpool)")
     p.add_argument("--floor", action="store_true",
                    help="also time the least a compressing linear layer can do in Python (one "
                         "quantize, one dequantize, no checks, store or strategy); linear only")
     args = p.parse_args(argv)
     if args.batch < 0:
         p.error(f"--batch must be >= 0, got {args.batch}")
+    if args.chain < 1:
+        p.error(f"--chain must be >= 1, got {args.chain}")
     torch.set_num_threads(1)
     names = [s.strip() for s in args.layers.split(",") if s.strip()]
     unknown = [n for n in names if n not in LAYERS]
     if unknown:
         p.error(f"unknown layer(s) {unknown}; known: {', '.join(LAYERS)}")
+    if args.chain > 1 and "maxpool" in names:
+        p.error("--chain needs layers that keep their input's shape; maxpool halves it")
     variants = dict(VARIANTS)
     if args.floor:
         if names != ["linear"]:
@@ -130,15 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     stat = min if args.stat == "min" else statistics.median
     print(f"torch {torch.__version__}, 1 thread, thread CPU time, {args.stat} microseconds per "
           f"forward + backward call ({args.calls} calls per variant, {args.rounds} rounds"
-          f"{f', batch {args.batch}' if args.batch else ''})")
+          f"{f', batch {args.batch}' if args.batch else ''}"
+          f"{f'; a chain of {args.chain} layers, per layer' if args.chain > 1 else ''})")
     head = f"{'layer':10s}" + "".join(f" | {v:>21s}" for v in variants)
     print(head)
     print("-" * len(head))
     for name in names:
-        steps = {v: step_fn(name, o, args.batch) for v, o in variants.items()}
+        steps = {v: step_fn(name, o, args.batch, args.chain) for v, o in variants.items()}
         times = interleaved_step_times(steps, n=args.calls, warmup=20, rounds=args.rounds,
                                        clock=time.thread_time)
-        med = {v: stat(t) * 1e6 for v, t in times.items()}
+        med = {v: stat(t) * 1e6 / args.chain for v, t in times.items()}
         base = med["torch"]
         cells = [f"{med['torch']:9.0f}" + " " * 12]
         cells += [f"{med[v]:9.0f} (+{med[v] - base:6.0f})" for v in list(variants)[1:]]

@@ -84,3 +84,22 @@ def test_floor_layer_computes_the_linear_gradients():
     cos = torch.nn.functional.cosine_similarity(floor.weight.grad.flatten(),
                                                 ref.weight.grad.flatten(), dim=0)
     assert cos > 0.8  # 2-bit codes of 4 rows: noisy, but the same direction
+
+
+def test_chain_reports_per_layer_and_refuses_a_shrinking_layer(capsys, monkeypatch):
+    mod = _script()
+    lengths = []
+    real = mod.step_fn
+
+    def spy(layer, overrides, batch=0, chain=1):
+        lengths.append(chain)
+        return real(layer, overrides, batch, chain)
+    monkeypatch.setattr(mod, "step_fn", spy)
+    assert mod.main(["--layers", "relu", "--calls", "2", "--rounds", "1", "--chain", "3"]) == 0
+    assert lengths == [3] * len(mod.VARIANTS)
+    assert "a chain of 3 layers, per layer" in capsys.readouterr().out
+    for bad, why in ((["--chain", "0"], "--chain must be >= 1"),
+                     (["--layers", "maxpool", "--chain", "2"], "maxpool halves it")):
+        with pytest.raises(SystemExit):
+            mod.main(bad)
+        assert why in capsys.readouterr().err
