@@ -135,6 +135,15 @@ at::Tensor decode(AutogradContext* ctx, const variable_list& saved, size_t first
                         ctx->saved_data["group_size"].toInt());
 }
 
+// Raise in a backward that builds a graph (create_graph=True) for a node whose saves give no
+// second derivative (the Python Functions' no_double_backward message).
+void no_second_derivative(const std::string& what) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !at::GradMode::is_enabled(), "actnn_zoo: double backward (create_graph=True) through "
+      "compressed ", what, " is not supported: its second derivative is not saved. Use the "
+      "torch layer (to_float()) or disable quantization for it (qconfig.enabled=False).");
+}
+
 // Identity on a weight gradient made inside a create_graph backward when the input required a
 // gradient: its derivative in the input would need the uncompressed input, so differentiating
 // it raises (as the Python Functions' _SecondOrderGuard does).
@@ -510,11 +519,7 @@ struct QDerivativeFunction : public torch::autograd::Function<QDerivativeFunctio
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qderivative_backward");
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        !at::GradMode::is_enabled(), "actnn_zoo: double backward (create_graph=True) through "
-        "compressed ", ctx->saved_data["op"].toStringRef(), " is not supported: its second "
-        "derivative is not saved. Use the torch layer (to_float()) or disable quantization for "
-        "it (qconfig.enabled=False).");
+    no_second_derivative(ctx->saved_data["op"].toStringRef());
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
     const variable_list saved = ctx->get_saved_variables();
     at::Tensor deriv = decode(ctx, saved, 0, 3);
@@ -685,11 +690,7 @@ struct QAttentionFunction : public torch::autograd::Function<QAttentionFunction>
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qattention_backward");
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        !at::GradMode::is_enabled(), "actnn_zoo: double backward (create_graph=True) through "
-        "compressed scaled_dot_product_attention is not supported: its second derivative is "
-        "not saved. Use the torch layer (to_float()) or disable quantization for it "
-        "(qconfig.enabled=False).");
+    no_second_derivative("scaled_dot_product_attention");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
     const variable_list saved = ctx->get_saved_variables();
     const auto first = ctx->saved_data["first"].toIntVector();

@@ -61,6 +61,30 @@ def _compare(run, node: str, python: str, module, attr: str = "") -> torch.Tenso
     return out
 
 
+def _train_both(model: nn.Module, x: torch.Tensor, module, attr: str, steps: int,
+                monkeypatch, **convert) -> list:
+    """``steps`` training steps of ``model`` converted with ``convert``, first with the
+    compiled node, then with ``module.<attr>`` off (the Python Function), from the same seeds:
+    [(grad node names, capture report, parameter gradients and buffers)] for each."""
+    results = []
+    for node in (True, False):
+        q = az.convert_model(copy.deepcopy(model), **convert)
+        if not node:
+            monkeypatch.setattr(module, attr, None)
+        for step in range(steps):
+            q.zero_grad()
+            torch.manual_seed(7 + step)
+            out = q(x)
+            out.square().sum().backward()
+        monkeypatch.undo()
+        results.append((grad_nodes(out), str(az.capture_report(q)),
+                        [p.grad for p in q.parameters()] + list(q.buffers())))
+    assert results[0][1] == results[1][1]
+    for a, b in zip(results[0][2], results[1][2]):
+        assert torch.equal(a, b)
+    return results
+
+
 @settings(max_examples=40, deadline=None)
 @given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
        n_in=st.integers(1, 70), n_out=st.integers(1, 9), bias=st.booleans(),
@@ -349,24 +373,10 @@ def test_activation_node_with_the_strategys_derivative_and_capture(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8), nn.SiLU())
     x = torch.randn(8, 16) * torch.linspace(0.1, 4, 8)[:, None]
-    results = []
-    for node in (True, False):
-        q = az.convert_model(copy.deepcopy(model), bits=2.5, strategy="actnn")
-        if not node:
-            monkeypatch.setattr(fact, "_QDERIVATIVE", None)
-        for step in range(3):
-            q.zero_grad()
-            torch.manual_seed(7 + step)
-            out = q(x)
-            out.square().sum().backward()
-        monkeypatch.undo()
-        results.append((grad_nodes(out), str(az.capture_report(q)),
-                        [p.grad for p in q.parameters()]))
+    results = _train_both(model, x, fact, "_QDERIVATIVE", 3, monkeypatch, bits=2.5,
+                          strategy="actnn")
     assert "QDerivativeFunction" in results[0][0]
     assert "DerivativeActivationFunctionBackward" in results[1][0]
-    assert results[0][1] == results[1][1]
-    for a, b in zip(results[0][2], results[1][2]):
-        assert torch.equal(a, b)
 
 
 def test_activation_node_other_cases_and_double_backward(monkeypatch):
@@ -516,27 +526,11 @@ def test_attention_node_in_a_model_with_capture(monkeypatch):
             return self.out(o.transpose(1, 2).reshape(2, 16, 32))
 
     torch.manual_seed(0)
-    model = Attention()
-    x = torch.randn(2, 16, 32)
-    results = []
-    for node in (True, False):
-        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
-        if not node:
-            monkeypatch.setattr(fattn, "_QATTENTION", None)
-        for step in range(2):
-            q.zero_grad()
-            torch.manual_seed(7 + step)
-            out = q(x)
-            out.square().sum().backward()
-        monkeypatch.undo()
-        results.append((grad_nodes(out), str(az.capture_report(q)),
-                        [p.grad for p in q.parameters()]))
+    results = _train_both(Attention(), torch.randn(2, 16, 32), fattn, "_QATTENTION", 2,
+                          monkeypatch, bits=2, strategy="uniform")
     assert "QAttentionFunction" in results[0][0]
     assert "ScaledDotProductAttentionFunctionBackward" in results[1][0]
-    assert results[0][1] == results[1][1]
     assert "scaled_dot_product_attention" in results[0][1]
-    for a, b in zip(results[0][2], results[1][2]):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("case", ["mask", "float64", "bfloat16", "broadcast", "tiles",
@@ -672,28 +666,12 @@ def test_norm_node_in_a_model_with_capture_and_an_in_place_relu(monkeypatch):
             return self.ln(h.permute(0, 2, 3, 1).contiguous())
 
     torch.manual_seed(0)
-    model = Block()
-    x = torch.randn(2, 3, 6, 6)
-    results = []
-    for node in (True, False):
-        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
-        if not node:
-            monkeypatch.setattr(fnorm, "_QNORM", None)
-        for step in range(2):
-            q.zero_grad()
-            torch.manual_seed(7 + step)
-            out = q(x)
-            out.square().sum().backward()
-        monkeypatch.undo()
-        results.append((grad_nodes(out), str(az.capture_report(q)),
-                        [p.grad for p in q.parameters()] + list(q.buffers())))
+    results = _train_both(Block(), torch.randn(2, 3, 6, 6), fnorm, "_QNORM", 2, monkeypatch,
+                          bits=2, strategy="uniform")
     functions = {"BatchNormFunctionBackward", "LayerNormFunctionBackward",
                  "GroupNormFunctionBackward"}
     assert any("QNormFunction" in name for name in results[0][0])
     assert not functions & results[0][0] and functions <= results[1][0]
-    assert results[0][1] == results[1][1]
-    for a, b in zip(results[0][2], results[1][2]):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("case", ["channels_last", "float64", "autocast", "hadamard",
