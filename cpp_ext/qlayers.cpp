@@ -1,6 +1,6 @@
-// The autograd nodes of QLinear, QConv, QDropout and the activations in C++: the
-// forward is torch's op, the backward decodes what was saved and makes the gradients, with no
-// Python on the way.
+// The autograd nodes of QLinear, QConv, QDropout, the activations, attention and the norms in
+// C++: the forward is torch's op (attention's and the norms': the fused CPU calls), the
+// backward decodes what was saved and makes the gradients, with no Python on the way.
 //
 // Why: a Python autograd Function costs the host tens of microseconds per call on top of its
 // ops (apply, ctx, the saved-tensor bookkeeping, the Python backward node and its glue), as
@@ -11,8 +11,9 @@
 // plain (not transposed) convolution with numeric zero padding; for dropout elementwise, out
 // of place, contiguous; for a mask activation contiguous and not sharing its mask with the
 // next layer's codes; for a smooth one out of place, contiguous, one that does not read its
-// output in backward -- and their Python Functions otherwise. Both compute the same
-// outputs and gradients (tests/test_qlayer_nodes.py compares them bit for bit).
+// output in backward; attention and the norms where their fused CPU calls apply -- and their
+// Python Functions otherwise. Both compute the same outputs and gradients
+// (tests/test_qlayer_nodes.py compares them bit for bit).
 //
 // The codes (dropout: the noise and its keep bits; an activation: those of f'(x)) are made in
 // Python, where the capture store may answer from its cache, and saved here (with the weight)
