@@ -676,12 +676,9 @@ struct QAttentionFunction : public torch::autograd::Function<QAttentionFunction>
     ctx->saved_data["kind"] = kinds;
     ctx->saved_data["bits"] = bits;
     ctx->saved_data["group_size"] = group_size;
-    const at::Tensor* given[] = {&query, &key, &value};
-    const at::Tensor* flat[] = {&q, &k, &v};
-    for (size_t i = 0; i < 3; ++i) {  // the inputs' shapes, and their rows'
-      ctx->saved_data["shape" + std::to_string(i)] = given[i]->sizes();
-      ctx->saved_data["rows" + std::to_string(i)] = flat[i]->sizes();
-    }
+    ctx->saved_data["shape0"] = query.sizes();
+    ctx->saved_data["shape1"] = key.sizes();
+    ctx->saved_data["shape2"] = value.sizes();
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["drop"] = std::vector<int64_t>{threshold, s1, s2};
@@ -698,29 +695,33 @@ struct QAttentionFunction : public torch::autograd::Function<QAttentionFunction>
     const auto kinds = ctx->saved_data["kind"].toIntVector();
     const auto bits = ctx->saved_data["bits"].toIntVector();
     const int64_t group_size = ctx->saved_data["group_size"].toInt();
-    auto shape = [&](const char* what, size_t i) {
-      return ctx->saved_data[what + std::to_string(i)].toIntVector();
+    auto shape = [&](size_t i) {
+      return ctx->saved_data["shape" + std::to_string(i)].toIntVector();
+    };
+    auto rows = [](const std::vector<int64_t>& s) {  // (prod(batch), rows, features)
+      return std::vector<int64_t>{c10::multiply_integers(s.begin(), s.end() - 2), s.end()[-2],
+                                  s.back()};
     };
     auto payload = [&](size_t i) {  // q, k, v were quantized in their inputs' shapes
       const size_t f = static_cast<size_t>(first[i]);
-      return decode_payload(saved, f, f + 3, kinds[i], shape("shape", i), at::kFloat, bits[i],
-                            group_size)
-          .reshape(shape("rows", i));
+      const auto s = shape(i);
+      return decode_payload(saved, f, f + 3, kinds[i], s, at::kFloat, bits[i], group_size)
+          .reshape(rows(s));
     };
     const bool need_q = ctx->needs_input_grad(0), need_k = ctx->needs_input_grad(1),
                need_v = ctx->needs_input_grad(2);
     const at::Tensor q = payload(0), k = payload(1);
     const OptTensor v = bits.size() > 2 ? OptTensor(payload(2)) : std::nullopt;
     const auto drop = ctx->saved_data["drop"].toIntVector();
-    const auto v_rows = shape("rows", 2);
+    const auto v_rows = rows(shape(2));
     const at::Tensor go = grads[0].reshape({v_rows[0], q.size(1), v_rows[2]});
     auto [dq, dk, dv] = attention_whole_backward_cpu(
         go, q, k, v, ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
         drop[0], drop[1], drop[2], ctx->saved_data["drop_scale"].toDouble(), need_q, need_k,
         need_v);
-    return {need_q ? dq.reshape(shape("shape", 0)) : at::Tensor(),
-            need_k ? dk.reshape(shape("shape", 1)) : at::Tensor(),
-            need_v ? dv.reshape(shape("shape", 2)) : at::Tensor(),
+    return {need_q ? dq.reshape(shape(0)) : at::Tensor(),
+            need_k ? dk.reshape(shape(1)) : at::Tensor(),
+            need_v ? dv.reshape(shape(2)) : at::Tensor(),
             {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };

@@ -186,10 +186,18 @@ def test_sample_bits_one_call_equals_the_checked_layout(widths, inner, spare, gr
     """On the CPU, SampleBits quantize in one compiled call (``quantize_samples``: layout and
     kernel); with the debug checks on (``validate=True``) the layout is made in Python and
     checked first: the same payload, field for field."""
+    from actnn_zoo.quant.backend import kernels
+
     x = torch.randn(len(widths), *inner, generator=torch.Generator().manual_seed(seed))
     sb = SampleBits(torch.tensor(widths, dtype=torch.uint8), sum(widths) + spare)
-    fast = az.quantize(x, sb, group_size=group, seed=seed)
-    checked = az.quantize(x, sb, group_size=group, seed=seed, validate=True)
+    ext = kernels(x.device)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        real = ext.quantize_samples
+        mp.setattr(ext, "quantize_samples", lambda *a: calls.append(1) or real(*a))
+        fast = az.quantize(x, sb, group_size=group, seed=seed)
+        checked = az.quantize(x, sb, group_size=group, seed=seed, validate=True)
+    assert len(calls) == 1  # the one call took the first; the checks, the second
     for name in ("data", "lo", "step", "row_bits", "offsets"):
         a, b = getattr(fast, name), getattr(checked, name)
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -110,7 +110,7 @@ from torch import Tensor
 from .._torch_private import tensor_version
 from ..config import LayerQConfig
 from .._session import active_session
-from ..quant import Bits, QuantizedTensor, SparseQuantizedTensor
+from ..quant import Bits
 from ..quant.api import draw_seed
 from ..quant.backend import extension
 from ..quant.hash32 import fmix32_int as _fmix32_int
@@ -118,7 +118,7 @@ from ..quant.hash32 import fmix32_int32_ as _fmix32_  # int32, in place: ~4x int
 from ._autocast import no_autocast as _no_autocast
 from ._saving import compress, load, restore, save
 from .activation import no_double_backward
-from .linear import cast
+from .linear import cast, payload_codes
 
 __all__ = ["ScaledDotProductAttentionFunction", "scaled_dot_product_attention",
            "attention_dropout_mask", "BLOCK_ELEMENTS"]
@@ -554,13 +554,14 @@ def _whole_compiled(plan: "_Plan", is_causal: bool, mask: Optional[_Mask],
             and (drop is None or drop.compiled))
 
 
-def _attention_node(query: Tensor, key: Tensor, value: Tensor, p: float, is_causal: bool,
-                    scale: Optional[float], enable_gqa: bool, qconfig: LayerQConfig,
+def _attention_node(plan: "_Plan", query: Tensor, key: Tensor, value: Tensor, p: float,
+                    is_causal: bool, scale: Optional[float], qconfig: LayerQConfig,
                     bits: Optional[Bits]) -> Optional[Tensor]:
     """The call as the compiled autograd node ``_C.qattention``, where it computes what
-    :class:`ScaledDotProductAttentionFunction`'s whole-call path would, bit for bit: no mask,
-    one tile holds the call (:meth:`_Plan.whole`), float32 plain tensors on the CPU outside
-    autocast, the plain quantizer at one width. Else None, with nothing drawn or compressed.
+    :class:`ScaledDotProductAttentionFunction`'s whole-call path would, bit for bit: no mask
+    (the caller's check), one tile holds the call (``plan``, :meth:`_Plan.whole`), float32
+    plain tensors on the CPU outside autocast, the plain quantizer at one width. Else None,
+    with nothing drawn or compressed.
 
     Why: at GPT-2's short sequences the Function's Python (apply, ctx, save and load, the
     backward's decoding) cost about as much as its arithmetic. The seed and the codes are drawn
@@ -571,10 +572,8 @@ def _attention_node(query: Tensor, key: Tensor, value: Tensor, p: float, is_caus
             and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.float32
             and qconfig.compressor == "quant" and qconfig.transform == "none"
-            and isinstance(width, int) and not torch.is_autocast_enabled("cpu")):
-        return None
-    plan = _Plan(query.shape, key.shape, value.shape, enable_gqa, query.device, BLOCK_ELEMENTS)
-    if not plan.whole(is_causal):
+            and isinstance(width, int) and not torch.is_autocast_enabled("cpu")
+            and plan.whole(is_causal)):
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(plan.E) if plan.E else float("inf")
@@ -586,16 +585,13 @@ def _attention_node(query: Tensor, key: Tensor, value: Tensor, p: float, is_caus
                         :3 if query.requires_grad or key.requires_grad else 2]]
     codes: List[Optional[Tensor]] = []
     widths: List[int] = []
-    for c in payloads:
-        if type(c) is QuantizedTensor and c.transform == "none":
-            codes += [c.data, c.lo, c.step, c.row_bits, c.offsets, None]
-            widths.append(c.bits or 0)
-        elif type(c) is SparseQuantizedTensor:  # q, k or v the output of a ReLU
-            codes += [c.data, c.lo, c.step, c.row_bits, c.offsets, c.mask]
-            widths.append(0)
-        else:
+    for c in payloads:  # sparse codes where q, k or v is the output of a ReLU
+        entries = payload_codes(c)
+        if entries is None:
             raise RuntimeError(f"actnn_zoo attention: the store answered {type(c).__name__} "
                                "for a plain quantizer's payload")
+        codes += entries[:6]
+        widths.append(entries[6])
     session = active_session()
     if session is not None:
         session.store.keep(*[t for c in payloads for t in c.tensors()])
@@ -626,18 +622,20 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` saving compressed q, k, v; see the module docstring.
 
     Arguments after ``enable_gqa``: ``qconfig``, ``bits`` (as for every zoo Function),
-    ``mask_round`` (the dtype autocast would cast a float mask to, else None) and ``block``
-    (scores per tile). Use :func:`scaled_dot_product_attention`, which checks the inputs.
+    ``mask_round`` (the dtype autocast would cast a float mask to, else None), ``block``
+    (scores per tile) and ``plan`` (the call's :class:`_Plan` at ``block``, when the caller
+    made it already). Use :func:`scaled_dot_product_attention`, which checks the inputs.
     """
 
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                 dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
                 qconfig: LayerQConfig, bits: Optional[Bits], mask_round: Optional[torch.dtype],
-                block: int) -> Tensor:
+                block: int, plan: Optional["_Plan"] = None) -> Tensor:
         dev = query.device
         work = _work_dtype(query.dtype)
-        plan = _Plan(query.shape, key.shape, value.shape, enable_gqa, dev, block)
+        if plan is None:
+            plan = _Plan(query.shape, key.shape, value.shape, enable_gqa, dev, block)
         L, S = plan.L, plan.S
         if scale is None:
             scale = 1.0 / math.sqrt(plan.E) if plan.E else float("inf")  # E = 0: no scores
@@ -725,7 +723,7 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
                                          need_q, need_k, need_v)
             return (dq.reshape(qc.shape) if need_q else None,
                     dk.reshape(kc.shape) if need_k else None,
-                    dv.reshape(vshape) if need_v else None, None) + (None,) * 8
+                    dv.reshape(vshape) if need_v else None, None) + (None,) * 9
 
         whole = plan.whole(is_causal)  # one tile: its products are the gradients
         dq = dk = dv = None
@@ -789,7 +787,7 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         gk = cast(dk.reshape(kc.shape), k_dtype) if need_k else None
         gv = cast(dv.reshape(vshape), v_dtype) if need_v else None
         gm = dm.result() if need_m else None
-        return (gq, gk, gv, gm) + (None,) * 8
+        return (gq, gk, gv, gm) + (None,) * 9
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -830,13 +828,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
                                               is_causal, scale=scale, enable_gqa=enable_gqa)
     p = float(dropout_p) if dropout_p > 0 else 0.0  # torch: dropout_p <= 0 is no dropout
+    scale = None if scale is None else float(scale)
+    # the call's plan, made once: the node's test reads it, else the Function runs with it
+    plan = _Plan(query.shape, key.shape, value.shape, bool(enable_gqa), query.device,
+                 BLOCK_ELEMENTS)
     if _QATTENTION is not None and attn_mask is None:
-        out = _attention_node(query, key, value, p, bool(is_causal),
-                              None if scale is None else float(scale), bool(enable_gqa),
-                              qconfig, bits)
+        out = _attention_node(plan, query, key, value, p, bool(is_causal), scale, qconfig, bits)
         if out is not None:
             return out
     return ScaledDotProductAttentionFunction.apply(
-        query, key, value, attn_mask, p, bool(is_causal),
-        None if scale is None else float(scale), bool(enable_gqa), qconfig, bits, mask_round,
-        BLOCK_ELEMENTS)
+        query, key, value, attn_mask, p, bool(is_causal), scale, bool(enable_gqa), qconfig,
+        bits, mask_round, BLOCK_ELEMENTS, plan)

@@ -176,11 +176,8 @@ def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[tuple]:
     does not decode (a rotation). Inside a capture session the store is told that the node
     saves these tensors (and ``weight``) on purpose (tier 3 passes them through, as for a
     Python Function's save)."""
-    if type(q) is QuantizedTensor and q.transform == "none":
-        codes = (q.data, q.lo, q.step, q.row_bits, q.offsets, None, q.bits or 0, q.group_size)
-    elif type(q) is SparseQuantizedTensor and weight is not None:  # a ReLU output's codes
-        codes = (q.data, q.lo, q.step, q.row_bits, q.offsets, q.mask, 0, q.group_size)
-    else:
+    codes = payload_codes(q, sparse=weight is not None)
+    if codes is None:
         return None
     session = active_session()
     if session is not None:
@@ -189,6 +186,17 @@ def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[tuple]:
         else:
             session.store.keep(*q.tensors(), weight)
     return codes if weight is not None else codes[:5] + codes[6:]
+
+
+def payload_codes(q: Payload, sparse: bool = True) -> Optional[tuple]:
+    """``q`` as the compiled nodes decode it -- (data, lo, step, row_bits, offsets, mask, bits,
+    group_size); bits 0 for per-sample widths or sparse codes, None where absent -- or None for
+    a payload they do not decode (a rotation, DIVISION; sparse codes unless ``sparse``)."""
+    if type(q) is QuantizedTensor and q.transform == "none":
+        return (q.data, q.lo, q.step, q.row_bits, q.offsets, None, q.bits or 0, q.group_size)
+    if type(q) is SparseQuantizedTensor and sparse:  # a ReLU output's codes
+        return (q.data, q.lo, q.step, q.row_bits, q.offsets, q.mask, 0, q.group_size)
+    return None
 
 
 class LinearFunction(torch.autograd.Function):

@@ -167,34 +167,49 @@ _GN_FORWARD = getattr(extension(), "group_norm_forward_codes", None)
 _GN_BACKWARD = getattr(extension(), "group_norm_backward_fused", None)
 
 
-def _norm_fused(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                qconfig: LayerQConfig, bits: Bits, dt: torch.dtype, weight_index: int) -> bool:
+def _fusable(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+             qconfig: LayerQConfig, bits: Bits, dt: torch.dtype) -> bool:
     """Whether a norm's fused forward (:data:`_BN_FORWARD`, :data:`_LN_FORWARD`,
     :data:`_GN_FORWARD`) computes what its Python path would: the CPU path that normalizes
     inside the quantizer and reads the codes in backward (a contiguous non-empty float32
-    input, float32 affine parameters, no autocast), the plain quantizer at one width, and an
-    input that is saved (the input or the weight, argument ``weight_index``, needs a
-    gradient)."""
+    input, float32 affine parameters, computing in float32: no autocast), the plain quantizer
+    at one width."""
     return (type(x) is Tensor and x.device.type == "cpu"
             and x.dtype == torch.float32 and dt == torch.float32 and x.dim() >= 2
             and x.is_contiguous() and x.numel() > 0
             and (weight is None or weight.dtype == torch.float32)
             and (bias is None or bias.dtype == torch.float32)
             and qconfig.compressor == "quant" and qconfig.transform == "none"
-            and type(bits) is int and _needs_saved_input(ctx, weight_index))
+            and type(bits) is int)
+
+
+def _norm_fused(ctx, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                qconfig: LayerQConfig, bits: Bits, dt: torch.dtype, weight_index: int) -> bool:
+    """:func:`_fusable`, and the input is saved (the input or the weight, argument
+    ``weight_index``, needs a gradient)."""
+    return _fusable(x, weight, bias, qconfig, bits, dt) and _needs_saved_input(ctx, weight_index)
+
+
+def _fused_call(call: Callable, x: Tensor, args: tuple, qconfig: LayerQConfig, bits: int,
+                m: int, need_input: bool) -> tuple:
+    """``call(x, *args, bits, group size, seed, stochastic, variance stride)`` -- (out, mean,
+    stat, data, lo, step, variance codes or None, their offset) -- and the stride. The draws
+    are the Python path's, in its order: the codes' seed here, the variances' (offset, seed)
+    in the call. ``m``: values per statistic; variances are sampled only for the input
+    gradient."""
+    stochastic = qconfig.rounding == "stochastic"
+    stride = norm_stride(m) if stochastic and need_input else 0
+    return call(x, *args, bits, qconfig.group_size, draw_seed() if stochastic else 0,
+                stochastic, stride), stride
 
 
 def _forward_fused(ctx, call: Callable, x: Tensor, args: tuple, weight: Optional[Tensor],
                    extra: tuple, qconfig: LayerQConfig, bits: int, m: int) -> Tensor:
-    """A norm Function's forward through its fused call (``call(x, *args, bits, group size,
-    seed, stochastic, variance stride)``), saved as its Python path saves: codes, mean, the
-    inverse deviation, the weight, ``extra`` and the variance codes. The draws are that path's,
-    in its order: the codes' seed here, the variances' (offset, seed) in the call after it.
-    ``m``: values per statistic (the variances' stride)."""
-    stochastic = qconfig.rounding == "stochastic"
-    stride = norm_stride(m) if stochastic and ctx.needs_input_grad[0] else 0
-    out, mean, stat, data, lo, step, var, offset = call(
-        x, *args, bits, qconfig.group_size, draw_seed() if stochastic else 0, stochastic, stride)
+    """A norm Function's forward through its fused call (:func:`_fused_call`), saved as its
+    Python path saves: codes, mean, the inverse deviation, the weight, ``extra`` and the
+    variance codes."""
+    (out, mean, stat, data, lo, step, var, offset), stride = _fused_call(
+        call, x, args, qconfig, bits, m, ctx.needs_input_grad[0])
     ctx.var_offset = (offset, stride) if var is not None else None
     ctx.fused = (bits, qconfig.group_size, weight is not None, var is not None)
     x_q = QuantizedTensor(data, lo, step, x.shape, torch.float32, bits, qconfig.group_size)
@@ -233,8 +248,8 @@ def _norm_node(kind: int, call: Callable, x: Tensor, args: tuple, weight: Option
                bias: Optional[Tensor], extra: int, qconfig: LayerQConfig, bits: Bits, m: int,
                layer: str) -> Optional[Tensor]:
     """The norm as the compiled node ``_C.qnorm`` where its Python Function would take the
-    fused call (:func:`_norm_fused`'s case, without autocast), else None with nothing drawn:
-    the fused forward ``call(x, *args, ...)`` here, its saves handed to the node, the fused
+    fused call (:func:`_norm_fused`'s case), else None with nothing drawn: the fused forward
+    (:func:`_fused_call`) here, its saves handed to the node, the fused
     backward in the node -- the same draws in the same order, the same saves, bit-identical
     results (tests/test_qlayer_nodes.py; a channels-last gradient, which the Function hands to
     aten, is made contiguous for the fused backward: the same gradient up to rounding). Why:
@@ -242,19 +257,13 @@ def _norm_node(kind: int, call: Callable, x: Tensor, args: tuple, weight: Option
     itself at small sizes. ``kind``: 0 batch, 1 layer, 2 group norm; ``extra``: the
     backward's (values per row, groups); ``m``: values per statistic; ``layer`` names it in
     the double-backward error."""
-    if not (_QNORM is not None and type(x) is Tensor and x.device.type == "cpu"
-            and x.dtype == torch.float32 and x.dim() >= 2 and x.is_contiguous()
-            and x.numel() > 0 and (weight is None or weight.dtype == torch.float32)
-            and (bias is None or bias.dtype == torch.float32)
-            and qconfig.compressor == "quant" and qconfig.transform == "none"
-            and type(bits) is int and torch.is_grad_enabled()
-            and (x.requires_grad or (weight is not None and weight.requires_grad))
-            and not torch.is_autocast_enabled("cpu")):
+    if not (_QNORM is not None and torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu")
+            and _fusable(x, weight, bias, qconfig, bits, x.dtype)
+            and (x.requires_grad or (weight is not None and weight.requires_grad))):
         return None
-    stochastic = qconfig.rounding == "stochastic"
-    stride = norm_stride(m) if stochastic and x.requires_grad else 0
-    out, mean, stat, data, lo, step, var, offset = call(
-        x, *args, bits, qconfig.group_size, draw_seed() if stochastic else 0, stochastic, stride)
+    (out, mean, stat, data, lo, step, var, offset), stride = _fused_call(
+        call, x, args, qconfig, bits, m, x.requires_grad)
     made = [out, data, lo, step, mean, stat] + ([var] if var is not None else [])
     session = active_session()
     if session is not None:  # what the Function's save() tells the store, in its order
@@ -299,7 +308,8 @@ def group_norm_train(x: Tensor, num_groups: int, weight: Optional[Tensor],
                      bits: Bits) -> Tensor:
     """Group norm saving its normalized input compressed: the compiled node where it applies
     (:func:`_norm_node`), else :class:`GroupNormFunction`."""
-    if _GN_FORWARD is not None and x.dim() >= 2 and num_groups > 0 and x.shape[1] % num_groups == 0:
+    if (_GN_FORWARD is not None and x.dim() >= 2 and num_groups > 0
+            and x.shape[1] % num_groups == 0):
         out = _norm_node(2, _GN_FORWARD, x, (num_groups, weight, bias, eps), weight, bias,
                          num_groups, qconfig, bits, x.numel() // (x.shape[0] * num_groups),
                          "QGroupNorm (group_norm)")
