@@ -687,18 +687,30 @@ class _CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _spy_on_capture_mode(mp: pytest.MonkeyPatch, seen: list) -> None:
+    """Capture modes made from now on append every function they are handed to ``seen``
+    (through their table lookup: wrapping ``__torch_function__`` itself would put a frame
+    between torch and the mode, which call_unrouted's probe does not answer)."""
+    from actnn_zoo.capture import mode as M
+
+    init = M.CaptureMode.__init__
+
+    def spying_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        lookup = self._lookup
+
+        def spy(func):
+            seen.append(func)
+            return lookup(func)
+        self._lookup = spy
+    mp.setattr(M.CaptureMode, "__init__", spying_init)
+
+
 def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them():
     """A Q-layer's own torch calls are not handed to the capture mode (capture.mode
     call_unrouted: the mode would cost a Python call each); a mode the user enters inside the
     forward is innermost and still sees every call of the layer it wraps."""
-    from actnn_zoo.capture import mode as M
-
     seen = []
-    table_get = M.CaptureMode.__torch_function__
-
-    def spy(self, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return table_get(self, func, types, args, kwargs)
 
     class Wrapped(nn.Module):
         def __init__(self, counter: Optional[_CallCounter]) -> None:
@@ -712,13 +724,14 @@ def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them():
                 return self.lin(x).relu()
 
     x = torch.randn(8, 16)
-    model = az.convert_model(Wrapped(None))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(M.CaptureMode, "__torch_function__", spy)
+        _spy_on_capture_mode(mp, seen)
+        model = az.convert_model(Wrapped(None))
         model(x).sum().backward()
     names = [getattr(f, "__name__", "") for f in seen]
-    assert "_module_call" in names  # the QLinear call went through the mode once, as a whole
+    assert names.count("dim") == 1  # call_unrouted's probe, once for the one QLinear call
     assert "linear" not in names and "detach" not in names  # nothing inside it reached the mode
+    assert "relu" in names  # the mode was back on the stack after the layer
 
     counter = _CallCounter()
     q = az.convert_model(Wrapped(counter))
@@ -727,6 +740,50 @@ def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them():
     # the quantizer's), not only the call of the layer and the relu
     assert counter.calls > 10
     assert q.lin.weight.grad is not None
+
+
+def test_a_q_layer_that_raises_leaves_the_capture_mode_on_the_stack():
+    """call_unrouted takes the capture mode off the stack while a Q-layer runs and puts it back
+    also when the layer raises: a forward that catches the error keeps routing its calls,
+    and after the forward no mode is left over."""
+    from torch.overrides import has_torch_function
+
+    seen = []
+
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: Tensor) -> Tensor:
+            try:
+                self.lin(x[:, :3])  # wrong width: raises inside the Q-layer
+            except (RuntimeError, ValueError):
+                seen.append("raised")
+            return self.lin(x).tanh()
+
+    with pytest.MonkeyPatch.context() as mp:
+        _spy_on_capture_mode(mp, seen)
+        model = az.convert_model(Fails(), bits=8, strategy="uniform")
+        model(torch.randn(4, 16)).sum().backward()
+    seen = [getattr(f, "__name__", f) for f in seen]
+    assert "raised" in seen and "tanh" in seen[seen.index("raised"):]  # routed again after
+    assert not has_torch_function((torch.empty(0),))  # no mode left on the stack
+    assert model.lin.weight.grad is not None
+
+
+def test_call_unrouted_without_a_capture_mode_runs_plainly():
+    """No mode, or a user's mode innermost: ``fn`` runs as it is, and the user's mode stays
+    on the stack for it (it sees the calls ``fn`` makes)."""
+    from actnn_zoo.capture.mode import call_unrouted
+
+    x = torch.randn(3)
+    assert call_unrouted(torch.add, x, x, alpha=2).equal(x + 2 * x)
+    counter = _CallCounter()
+    with counter:
+        calls = counter.calls
+        call_unrouted(lambda t: t.mul(2).add(1), x)
+        assert counter.calls - calls == 3  # the probe, mul and add
 
 
 def test_transformers_gradient_checkpointing_needs_no_context():
