@@ -62,6 +62,10 @@ COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
 _HOOK_FILES = (__file__, _compile.__file__)
 
 
+_STRIDED, _BOOL = torch.strided, torch.bool
+_KEPT_REASON = "saved by a zoo Function"  # CaptureStats.passed's reason for keep()'s tensors
+
+
 @dataclass
 class CaptureStats:
     """What one captured forward did (kept on the model for :func:`capture_report`).
@@ -432,22 +436,31 @@ class CompressedStore:
         passes them through. Counted here (``CaptureStats.passed``), so that their pack is one
         dict lookup (:meth:`pack`): a converted ResNet-50 saves ~800 of them per step."""
         kept, small = self._kept, self.min_numel
-        counts = [0, 0, 0, 0]  # small: tensors, bytes; the others: tensors, bytes
+        n_small = b_small = n_big = b_big = 0  # tensors and bytes below min_numel / the others
         for t in tensors:
-            i = 0 if t.numel() < small else 2
-            counts[i] += 1
-            counts[i + 1] += t.nbytes
+            if t.numel() < small:
+                n_small += 1
+                b_small += t.nbytes
+                continue
+            n_big += 1
+            b_big += t.nbytes
             # only what tier 3 would otherwise compress needs marking: small and integer
             # tensors (the codes) pass through there anyway
-            if i and t.layout == torch.strided and (t.is_floating_point()
-                                                    or t.dtype == torch.bool):
+            if t.layout == _STRIDED and (t.is_floating_point() or t.dtype == _BOOL):
                 kept[_storage_ptr(t)] = weakref.ref(t)
         passed = self.stats.passed
-        for i, reason in ((0, "small"), (2, "saved by a zoo Function")):
-            if counts[i]:
-                entry = passed.setdefault(reason, [0, 0])
-                entry[0] += counts[i]
-                entry[1] += counts[i + 1]
+        if n_small:
+            entry = passed.get("small")
+            if entry is None:
+                entry = passed["small"] = [0, 0]
+            entry[0] += n_small
+            entry[1] += b_small
+        if n_big:
+            entry = passed.get(_KEPT_REASON)
+            if entry is None:
+                entry = passed[_KEPT_REASON] = [0, 0]
+            entry[0] += n_big
+            entry[1] += b_big
         # the saves that follow at once (ctx.save_for_backward): known by identity, so their
         # pack is one dict lookup (see pack). Held until the next keep(), so that an id freed
         # meanwhile (a Function that built no graph packs nothing) cannot be reused and match.

@@ -71,7 +71,6 @@ the same lock) reads rows, widths and gradients that belong together.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -117,16 +116,21 @@ class _Forward:
         self.record_grads = record_grads
 
 
-@dataclass
 class _Call:
-    """One recorded call of a watched layer in the current step: the rows it compressed."""
+    """One recorded call of a watched layer in the current step: the rows it compressed, their
+    range statistic and widths, and (``grad_sq``, (samples,)) its output gradient's once it
+    arrived. A plain class with slots: one is made per layer call."""
 
-    step: int
-    samples: int
-    numel: int
-    range_sq: Optional[Tensor] = None
-    bits: Optional[Tensor] = None
-    grad_sq: Optional[Tensor] = None  # (samples,) once its output gradient arrived
+    __slots__ = ("step", "samples", "numel", "range_sq", "bits", "grad_sq")
+
+    def __init__(self, step: int, samples: int, numel: int, range_sq: Optional[Tensor] = None,
+                 bits: Optional[Tensor] = None) -> None:
+        self.step = step
+        self.samples = samples
+        self.numel = numel
+        self.range_sq = range_sq
+        self.bits = bits
+        self.grad_sq: Optional[Tensor] = None
 
 
 class _Watched:
