@@ -169,6 +169,11 @@ class ZeroCodeClaim:
         self.sparse_mask: Optional[Tensor] = None
         self.mask: Optional[Tuple[Tensor, torch.Size, Tuple[int, ...]]] = None
 
+    def mask_buffer(self) -> Optional[Tensor]:
+        """Where the consumer's sparse codes must write their mask (None: anywhere; a compiled
+        ReLU node's claim answers its saved buffer)."""
+        return None
+
     def fulfil(self, q: SparseQuantizedTensor) -> None:
         self.sparse_mask, self.out = q.mask, None
 

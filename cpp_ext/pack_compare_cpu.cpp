@@ -86,12 +86,23 @@ void pack_compare_kind(const T* x, int64_t n, int64_t kind, C lo, C hi, uint8_t*
   }
 }
 
-at::Tensor pack_compare_cpu(const at::Tensor& x, int64_t kind, double lo, double hi) {
+at::Tensor pack_compare_cpu(const at::Tensor& x, int64_t kind, double lo, double hi,
+                            const std::optional<at::Tensor>& into = std::nullopt) {
   TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
   TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
   const at::ScalarType t = x.scalar_type();
   const int64_t n = x.numel();
-  at::Tensor out = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+  at::Tensor out;
+  if (into.has_value()) {  // written through its pointer: its version counter does not move
+    out = *into;
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kByte &&
+                      out.is_contiguous() && out.numel() == (n + 7) / 8,
+                      "pack_compare: out must be a contiguous uint8 CPU tensor of ", (n + 7) / 8,
+                      " bytes, got ", out.numel(), " of ", out.scalar_type(), " on ",
+                      out.device());
+  } else {
+    out = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+  }
   if (n == 0) return out;
   uint8_t* o = out.data_ptr<uint8_t>();
   const float lo32 = static_cast<float>(lo), hi32 = static_cast<float>(hi);
@@ -104,14 +115,16 @@ at::Tensor pack_compare_cpu(const at::Tensor& x, int64_t kind, double lo, double
   return out;
 }
 
-at::Tensor pack_compare(const at::Tensor& x, int64_t kind, double lo, double hi) {
+at::Tensor pack_compare(const at::Tensor& x, int64_t kind, double lo, double hi,
+                        const std::optional<at::Tensor>& out) {
   RECORD_USER_SCOPE("actnn_zoo::pack_compare");
   const at::ScalarType t = x.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
               "pack_compare: x must be float32, float64, float16 or bfloat16, got ", t);
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "pack_compare: kind must be 0 (not_le), 1 (gt) or "
                     "2 (between), got ", kind);
-  if (x.device().is_cpu()) return pack_compare_cpu(x, kind, lo, hi);
+  if (x.device().is_cpu()) return pack_compare_cpu(x, kind, lo, hi, out);
+  TORCH_CHECK_VALUE(!out.has_value(), "pack_compare: out is supported on the CPU only");
 #ifdef ACTNN_ZOO_CUDA
   if (x.is_cuda()) {
     const c10::DeviceGuard guard(x.device());
@@ -126,9 +139,10 @@ at::Tensor pack_compare(const at::Tensor& x, int64_t kind, double lo, double hi)
 void register_pack_compare(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("pack_compare", &pack_compare, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-        py::arg("kind"), py::arg("lo"), py::arg("hi"),
+        py::arg("kind"), py::arg("lo"), py::arg("hi"), py::arg("out") = py::none(),
         "Contiguous float tensor -> ceil(n / 8) uint8: bit i % 8 of byte i // 8 is the predicate "
-        "of element i; kind 0: !(x <= lo), 1: x > lo, 2: lo < x < hi.");
+        "of element i; kind 0: !(x <= lo), 1: x > lo, 2: lo < x < hi. out (CPU): the buffer "
+        "written into and returned, else a new one.");
 }
 
 }  // namespace actnn_zoo

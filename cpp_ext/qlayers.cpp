@@ -429,10 +429,15 @@ at::Tensor qdropout(const at::Tensor& x, const at::Tensor& noise, const at::Tens
 // predicate); backward grad where the bit is set and +0.0 (off unset) or grad * off elsewhere:
 // the fused masked_grad kernel, or torch.where of the same products when the result must be
 // differentiable (functional/activation.py's MaskActivationFunction and quant.masked_grad).
+//
+// `filled` (a 1-byte flag, optional): `packed` is filled after the forward, by whoever writes it
+// through its pointer (a ReLU whose consumer's sparse codes hold its mask, or the mask packed
+// at the end of the forward: functional/activation.py's _claim_node). Backward raises while
+// the flag is 0 (the output was modified in place before anything saved it).
 struct QMaskFunction : public torch::autograd::Function<QMaskFunction> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const at::Tensor& packed,
                             const std::string& op, double a, double b, bool inplace,
-                            std::optional<double> off) {
+                            std::optional<double> off, const std::optional<at::Tensor>& filled) {
     RECORD_USER_SCOPE("actnn_zoo::qmask");
     at::Tensor out;
     if (op == "relu") {
@@ -445,7 +450,11 @@ struct QMaskFunction : public torch::autograd::Function<QMaskFunction> {
       TORCH_CHECK_VALUE(false, "qmask: no compiled node for activation ", op);
     }
     if (inplace) ctx->mark_dirty({x});
-    ctx->save_for_backward({packed});
+    if (filled.has_value()) {
+      ctx->save_for_backward({packed, *filled});
+    } else {
+      ctx->save_for_backward({packed});
+    }
     ctx->saved_data["off"] = off;
     return out;
   }
@@ -453,7 +462,12 @@ struct QMaskFunction : public torch::autograd::Function<QMaskFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qmask_backward");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor packed = ctx->get_saved_variables()[0];
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& packed = saved[0];
+    TORCH_CHECK(saved.size() < 2 || saved[1].data_ptr<uint8_t>()[0] != 0,
+                "actnn_zoo: the output of a ReLU was modified by an in-place operation after "
+                "the ReLU and before anything saved it; its backward needs the original "
+                "(torch's own ReLU raises for the same reason)");
     const c10::IValue off_value = ctx->saved_data["off"];
     const std::optional<double> off =
         off_value.isNone() ? std::nullopt : std::optional<double>(off_value.toDouble());
@@ -462,16 +476,29 @@ struct QMaskFunction : public torch::autograd::Function<QMaskFunction> {
     // requires one)
     return {masked_backward(g, packed, std::nullopt, off,
                             at::GradMode::is_enabled() && g.requires_grad()),
-            {}, {}, {}, {}, {}, {}};
+            {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
 at::Tensor qmask(const at::Tensor& x, const at::Tensor& packed, const std::string& op, double a,
-                 double b, bool inplace, std::optional<double> off) {
+                 double b, bool inplace, std::optional<double> off,
+                 const std::optional<at::Tensor>& filled) {
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.numel() == (x.numel() + 7) / 8,
                     "qmask: packed must hold one bit per value of x ", x.sizes(), ", got ",
                     packed.numel(), " bytes of ", packed.scalar_type());
-  return QMaskFunction::apply(x, packed, op, a, b, inplace, off);
+  TORCH_CHECK_VALUE(!filled.has_value() ||
+                    (filled->scalar_type() == at::kByte && filled->numel() == 1 &&
+                     filled->device().is_cpu()),
+                    "qmask: filled must be one uint8 byte on the CPU");
+  return QMaskFunction::apply(x, packed, op, a, b, inplace, off, filled);
+}
+
+// Set a 1-byte flag (qmask's `filled`) through its pointer: its version counter does not move.
+void set_flag(const at::Tensor& flag) {
+  TORCH_CHECK_VALUE(flag.scalar_type() == at::kByte && flag.numel() == 1 &&
+                    flag.device().is_cpu() && flag.is_contiguous(),
+                    "set_flag: flag must be one uint8 byte on the CPU");
+  flag.data_ptr<uint8_t>()[0] = 1;
 }
 
 // -- Smooth activations --------------------------------------------------------------------
@@ -775,9 +802,13 @@ void register_qlayers(pybind11::module_& m) {
         "where `packed` (its keep bits) is set and grad * 0.0 elsewhere.");
   m.def("qmask", &qmask, py::arg("x"), py::arg("packed"), py::arg("op"), py::arg("a"),
         py::arg("b"), py::arg("inplace"), py::arg("off") = py::none(),
+        py::arg("filled") = py::none(),
         "y = relu / leaky_relu(a) / hardtanh(a, b) of x (in place when asked) whose backward is "
         "grad where `packed` (pack_compare of the slope's predicate) is set and +0.0, or grad * "
-        "off, elsewhere.");
+        "off, elsewhere. filled: a 1-byte flag set (set_flag) once `packed` was written after "
+        "the forward; backward raises while it is 0.");
+  m.def("set_flag", &set_flag, py::arg("flag"),
+        "Set a 1-byte uint8 flag to 1 through its pointer (no version counter change).");
   m.def("qnorm", &qnorm, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("made"),
         py::arg("kind"), py::arg("extra"), py::arg("bits"), py::arg("group_size"),
         py::arg("var_offset"), py::arg("var_stride"), py::arg("save_bias"), py::arg("layer"),

@@ -395,7 +395,7 @@ void check_rows_widths(const at::Tensor& bits, int64_t n_rows) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_sparse(
     const at::Tensor& x2d, const at::Tensor& bits, int64_t group_size, int64_t seed,
-    bool stochastic) {
+    bool stochastic, const std::optional<at::Tensor>& mask_out) {
   RECORD_USER_SCOPE("actnn_zoo::quantize_sparse");
   TORCH_CHECK(x2d.device().is_cpu(), "quantize_sparse: no kernel for tensors on ", x2d.device(),
               " (CPU only)");
@@ -411,7 +411,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   auto opts = x2d.options();
   at::Tensor lo = at::empty({n_rows, g}, opts.dtype(at::kBFloat16));
   at::Tensor step = at::empty({n_rows, g}, opts.dtype(at::kBFloat16));
-  at::Tensor mask = at::empty({(n_rows * d + 7) / 8}, opts.dtype(at::kByte));
+  // the mask into the caller's buffer when given (a ReLU node's, which reads it in backward:
+  // written through its pointer, so the buffer's version counter does not move)
+  at::Tensor mask;
+  if (mask_out.has_value()) {
+    mask = *mask_out;
+    TORCH_CHECK_VALUE(mask.device().is_cpu() && mask.scalar_type() == at::kByte &&
+                      mask.is_contiguous() && mask.numel() == (n_rows * d + 7) / 8,
+                      "quantize_sparse: mask_out must be a contiguous uint8 CPU tensor of ",
+                      (n_rows * d + 7) / 8, " bytes, got ", mask.numel(), " of ",
+                      mask.scalar_type(), " on ", mask.device());
+  } else {
+    mask = at::empty({(n_rows * d + 7) / 8}, opts.dtype(at::kByte));
+  }
   at::Tensor offsets = at::empty({n_rows + 1}, opts.dtype(at::kLong));
   std::vector<int64_t> counts(static_cast<size_t>(n_rows));
   at::Tensor data;
@@ -510,9 +522,10 @@ void register_sparse(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("quantize_sparse", &quantize_sparse, py::call_guard<py::gil_scoped_release>(),
         py::arg("x2d"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
-        py::arg("stochastic"),
+        py::arg("stochastic"), py::arg("mask_out") = py::none(),
         "(N, D) float -> (data, lo, step, mask, offsets): codes of the nonzeros only "
-        "(reference.quantize_sparse). CPU only.");
+        "(reference.quantize_sparse). CPU only. mask_out: the buffer the mask is written into "
+        "(and returned as mask), else a new one.");
   m.def("dequantize_sparse", &dequantize_sparse_cpu, py::call_guard<py::gil_scoped_release>(),
         py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("mask"), py::arg("bits"),
         py::arg("offsets"), py::arg("group_size"), py::arg("out"),

@@ -29,7 +29,10 @@ block), compiled-fp32 (``torch.compile`` of the plain model), compiled (``actnn_
 default conversion) and torch-compiled (``torch.compile`` of the default conversion: the
 Q-layers' traced forms), all with ``--backend`` (default inductor); the ratio of the last two
 to compiled-fp32 is the compiled target (``x c-fp32``). Compiled modes compile during the
-warm-up steps.
+warm-up steps. Two floors of what capture costs, on the plain model: fp32-mode (its forward
+under a torch function mode that passes every call through, as tier 2's mode does for the calls
+it does not route) and fp32-hooks (under saved-tensor hooks that keep every tensor as it is,
+tier 3's mechanism): what any capture built on these mechanisms pays before doing anything.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import actnn_zoo as az  # noqa: E402
 from actnn_zoo.bench import host_work, interleaved_step_times  # noqa: E402
@@ -55,7 +59,7 @@ from actnn_zoo.nn._base import QModule  # noqa: E402
 
 MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint", "compiled-fp32",
          "compiled", "torch-compiled", "default-python", "uniform-2-python",
-         "no-capture-python")
+         "no-capture-python", "fp32-mode", "fp32-hooks")
 CONVERSIONS = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
                "no-capture": {"bits": 2, "strategy": "uniform", "capture": False}}
 OVERRIDES = {**CONVERSIONS, **{k + "-python": v for k, v in CONVERSIONS.items()}}
@@ -65,6 +69,7 @@ OVERRIDES = {**CONVERSIONS, **{k + "-python": v for k, v in CONVERSIONS.items()}
 # None makes the layer run its Python autograd Function (each is read at call time).
 COMPILED_PATHS = (("linear", "_QLINEAR"), ("conv", "_QCONV"), ("dropout", "_QDROPOUT"),
                   ("activation", "_QDERIVATIVE"), ("activation", "_QMASK"),
+                  ("activation", "_QCLAIM"),
                   ("norm", "_BN_FORWARD"), ("norm", "_LN_FORWARD"), ("norm", "_GN_FORWARD"),
                   ("norm", "_QNORM"),
                   ("attention", "_WHOLE_FORWARD"), ("attention", "_QATTENTION"))
@@ -89,6 +94,23 @@ def python_functions() -> Iterator[None]:
     finally:
         for (mod, name), value in zip(slots, saved):
             setattr(mod, name, value)
+
+
+class _PassThrough(TorchFunctionMode):
+    """A torch function mode that runs every call as it is (fp32-mode)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+FLOORS: Dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "fp32-mode": _PassThrough,
+    "fp32-hooks": lambda: torch.autograd.graph.saved_tensors_hooks(_keep, _keep),
+}
 
 
 class _Checkpointed(nn.Module):
@@ -186,12 +208,19 @@ def build_steps(name: str, modes: Sequence[str], backend: str = "inductor"
             model = az.compile(az.convert_model(model), backend=backend)
         elif mode == "torch-compiled":
             model = torch.compile(az.convert_model(model), backend=backend)
-        elif mode != "fp32":
+        elif mode != "fp32" and mode not in FLOORS:
             raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
 
-        def step(model: nn.Module = model, python: bool = mode.endswith("-python")) -> None:
+        def step(model: nn.Module = model, python: bool = mode.endswith("-python"),
+                 floor: Optional[Callable[[], contextlib.AbstractContextManager]] =
+                 FLOORS.get(mode)) -> None:
             with python_functions() if python else contextlib.nullcontext():
-                loss_of(model).backward()
+                if floor is None:
+                    loss_of(model).backward()
+                else:
+                    with floor():  # the forward only, as capture's session
+                        loss = loss_of(model)
+                    loss.backward()
             for p in model.parameters():
                 p.grad = None
         steps[mode] = step

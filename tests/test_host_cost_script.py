@@ -39,6 +39,33 @@ def test_table_has_ratios_and_extra_per_q_module(capsys):
             assert float(extra) == pytest.approx((float(ms) - fp32) * 1e3 / 123, abs=1)
 
 
+def test_floor_modes_run_the_plain_model_under_the_mechanisms(capsys, monkeypatch):
+    """fp32-mode runs the plain model's forward under a pass-through torch function mode,
+    fp32-hooks under pass-through saved-tensor hooks: each reaches its mechanism (counted
+    here), neither converts the model, and their rows have no extra per Q-module."""
+    mod = _script()
+    seen = {"mode": 0, "hooks": 0}
+    mode_call = mod._PassThrough.__torch_function__
+
+    def counting_call(self, func, types, args=(), kwargs=None):
+        seen["mode"] += 1
+        return mode_call(self, func, types, args, kwargs)
+
+    def counting_keep(t):
+        seen["hooks"] += 1
+        return t
+    monkeypatch.setattr(mod._PassThrough, "__torch_function__", counting_call)
+    monkeypatch.setattr(mod, "_keep", counting_keep)
+    assert mod.main(["--models", "gpt2", "--modes", "fp32-mode,fp32-hooks", "--steps", "1",
+                     "--rounds", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
+            for line in out.splitlines() if line.count("|") == 4}
+    assert list(rows)[1:] == ["fp32", "fp32-mode", "fp32-hooks"]
+    assert rows["fp32-mode"][2] == "" and rows["fp32-hooks"][2] == ""
+    assert seen["mode"] > 500 and seen["hooks"] > 100  # GPT-2's calls and saves, every step
+
+
 def test_unknown_model_and_mode_are_named(capsys):
     mod = _script()
     with pytest.raises(SystemExit):

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -463,14 +464,114 @@ def test_mask_node_is_taken_where_no_codes_are_shared():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
     x = torch.randn(2, 3, 8, 8)
     # without capture, the ReLU's mask through the node; with capture its codes are the next
-    # conv's (ZeroCodeSlot): the Python Function, which holds the claim
+    # conv's (ZeroCodeSlot), and the node saves the buffer those codes' mask is written into
     plain = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform", capture=False)
     assert "QMaskFunction" in grad_nodes(plain(x))
     shared = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
     for _ in range(2):
         out = shared(x)
-    assert "MaskActivationFunctionBackward" in grad_nodes(out)
+    assert "QMaskFunction" in grad_nodes(out)
+    assert "MaskActivationFunctionBackward" not in grad_nodes(out)
+    assert shared[1]._zero_codes.enabled  # the claim was answered by the conv's sparse codes
     out.sum().backward()
+
+
+class _ReluConsumers(nn.Module):
+    """Convs around ReLUs whose outputs go to a conv (sparse codes shared), to a max-pool
+    (nothing compresses them), to a conv and a max-pool in turn (r1: a claim made after a
+    conv consumed the output, answered by nobody in the next forward, whose mask is then
+    packed into the node's buffer at the end of the forward) and, in place, to a conv again;
+    every ReLU is a module (a ZeroCodeSlot each)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.c0, self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3), \
+            nn.Conv2d(8, 4, 1)
+        self.c3 = nn.Conv2d(8, 8, 1)
+        self.r0, self.r1, self.r2, self.r3 = nn.ReLU(), nn.ReLU(inplace), nn.ReLU(inplace), \
+            nn.ReLU()
+        self.bn = nn.BatchNorm2d(8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.c1(self.r0(self.c0(x)))
+        h = self.r1(self.bn(h))
+        h = self.c3(h) if self.calls % 2 else F.max_pool2d(h, 2)
+        h = F.max_pool2d(self.r3(h), 1)
+        return self.c2(self.r2(h * 1.0))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_claim_node_equals_the_python_function(inplace, dtype, monkeypatch):
+    """ReLUs inside a capture session as the compiled node (activation._claim_node) against
+    the Python Function, over steps that learn the slots (a mask and an offer first, then a
+    claim): gradients, buffers and the capture report equal; the shared codes are the
+    consumer's sparse codes, whose mask buffer the node reads in backward."""
+    from actnn_zoo.functional import activation as fact
+
+    torch.manual_seed(0)
+    model = _ReluConsumers(inplace).to(dtype)
+    x = torch.randn(2, 3, 9, 9, dtype=dtype)
+    seen = {"fall_back": 0}
+    fall_back = fact._HeldClaim.fall_back
+
+    def counted(self):
+        seen["fall_back"] += self.out is not None
+        fall_back(self)
+    monkeypatch.setattr(fact._HeldClaim, "fall_back", counted)
+    node, python = _train_both(model, x, fact, "_QCLAIM", 5, monkeypatch, bits=2,
+                               strategy="uniform")
+    assert seen["fall_back"] >= 1  # r1's claim, answered by nobody, packed its mask
+    assert "QMaskFunction" in node[0] and "MaskActivationFunctionBackward" not in node[0]
+    assert "MaskActivationFunctionBackward" in python[0]
+    converted = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+    for _ in range(2):
+        converted(x).sum().backward()
+    # r0 and r2 feed convs (their codes are shared), r3 a max-pool (its own mask)
+    assert [r._zero_codes.enabled for r in (converted.r0, converted.r3, converted.r2)] == \
+        [True, False, True]
+
+
+def test_claim_node_retains_the_graph_and_raises_on_a_changed_output():
+    """The node's buffer is read again by a second backward (retain_graph); an output changed
+    in place after the ReLU, before anything saved it, leaves the flag unset and its backward
+    raises as the Function's does."""
+    torch.manual_seed(0)
+    model = az.convert_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)),
+                             bits=2, strategy="uniform")
+    x = torch.randn(2, 3, 8, 8)
+    model(x).sum().backward()  # the slot learns that the conv compresses the output
+    model.zero_grad()
+    out = model(x)
+    assert "QMaskFunction" in grad_nodes(out)
+    out.sum().backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out.sum().backward()
+    for a, p in zip(first, model.parameters()):
+        assert torch.equal(a, p.grad)
+
+    class ChangedAfterRelu(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c0, self.relu, self.c1 = nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)
+            self.change = False
+
+        def forward(self, t):
+            h = self.relu(self.c0(t))
+            if self.change:
+                h.mul_(2.0)  # after the ReLU, before the conv saves it
+            return self.c1(h)
+
+    changed = az.convert_model(ChangedAfterRelu(), bits=2, strategy="uniform")
+    changed(x).sum().backward()
+    changed.change = True
+    out = changed(x)
+    assert "QMaskFunction" in grad_nodes(out)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after the ReLU"):
+        out.sum().backward()
 
 
 # -- attention: ``_C.qattention`` --------------------------------------------------------------

@@ -121,11 +121,13 @@ def _flat_key(x: Tensor) -> Optional[tuple]:
     return (_storage_ptr(x), x.storage_offset(), x.numel(), x.dtype, tensor_version(x))
 
 
-def _sparse(x: Tensor, bits: Bits, group_size: int, rounding: str) -> SparseQuantizedTensor:
-    """``quantize_sparse`` (float64 through a float32 copy, as the layers do)."""
+def _sparse(x: Tensor, bits: Bits, group_size: int, rounding: str,
+            mask_out: Optional[Tensor] = None) -> SparseQuantizedTensor:
+    """``quantize_sparse`` (float64 through a float32 copy, as the layers do); ``mask_out``:
+    the claiming ReLU node's buffer for the mask (``ZeroCodeClaim.mask_buffer``)."""
     if x.dtype == torch.float64:
         x = x.float()
-    return quantize_sparse(x, bits, group_size, rounding=rounding)
+    return quantize_sparse(x, bits, group_size, rounding=rounding, mask_out=mask_out)
 
 
 class _Compressed:
@@ -335,7 +337,9 @@ class CompressedStore:
                     self._claims[memory] = claim
                 claim = offer = None
         if claim is not None:
-            quantize_fn = _sparse
+            buffer = claim[0].mask_buffer()
+            quantize_fn = _sparse if buffer is None else functools.partial(_sparse,
+                                                                           mask_out=buffer)
         elif offer is not None and offer[0]() is not None:
             offer[1].enabled = True  # the next forwards share this output's codes
         if not isinstance(bits, int):
@@ -431,13 +435,15 @@ class CompressedStore:
         self._offers.clear()
 
     @_eager
-    def keep(self, *tensors: Tensor) -> None:
+    def keep(self, *tensors: Tensor, counted: bool = True) -> None:
         """Mark tensors a zoo Function saves on purpose (a payload, exact statistics): tier 3
         passes them through. Counted here (``CaptureStats.passed``), so that their pack is one
-        dict lookup (:meth:`pack`): a converted ResNet-50 saves ~800 of them per step."""
+        dict lookup (:meth:`pack`): a converted ResNet-50 saves ~800 of them per step.
+        ``counted=False``: bytes counted elsewhere (a claiming ReLU's mask buffer, which the
+        consumer's sparse codes hold and count)."""
         kept, small = self._kept, self.min_numel
         n_small = b_small = n_big = b_big = 0  # tensors and bytes below min_numel / the others
-        for t in tensors:
+        for t in tensors if counted else ():
             if t.numel() < small:
                 n_small += 1
                 b_small += t.nbytes
@@ -469,6 +475,12 @@ class CompressedStore:
         # and no observer (neither changes between here and the saves that follow)
         self._plain = not self.boxing and current_observer() is None
         self._group = None
+
+    def saves_pass_through(self) -> bool:
+        """Whether a save :meth:`keep` was told of reaches autograd as the tensor itself: no
+        outer hooks to box it for, no observer. A compiled node whose saved buffer is filled
+        after the forward (a claiming ReLU's) needs that: a box or an observer may copy it."""
+        return not self.boxing and current_observer() is None
 
     def _is_kept(self, ptr: int) -> bool:
         ref = self._kept.get(ptr)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._session import ZeroCodeClaim, ZeroCodeSlot, active_session, save_probe
+from .._torch_private import tensor_version
 from ..config import LayerQConfig
 from ..quant import Bits, SampleBits, ops, pack_compare, unpack_mask
 from ..quant.backend import extension
@@ -189,6 +190,8 @@ def _claimed_grad(claim: ZeroCodeClaim, grad: Tensor) -> Tensor:
 # The compiled autograd node of the mask activations (cpp_ext/qlayers.cpp), None without the
 # extension or in an older build.
 _QMASK = getattr(extension(), "qmask", None)
+# whether a ReLU in a capture session runs as that node (_claim_node); False: the Function
+_QCLAIM = True
 
 
 def _mask_node(x: Tensor, op: str, a: float, b: float, inplace: bool) -> Optional[Tensor]:
@@ -208,6 +211,68 @@ def _mask_node(x: Tensor, op: str, a: float, b: float, inplace: bool) -> Optiona
 
 
 _MASK_NODE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_SET_FLAG = getattr(extension(), "set_flag", None)
+_PACK_COMPARE = getattr(extension(), "pack_compare", None)
+
+
+class _HeldClaim(ZeroCodeClaim):
+    """The claim of a ReLU run as the compiled node: the node saved ``buffer`` (one bit per
+    value) and the 1-byte ``filled`` flag at its forward; the consumer's sparse codes write
+    their mask into ``buffer`` (:meth:`mask_buffer`), or :meth:`fall_back` packs the output's
+    mask there at the end of the forward. Either sets the flag, through its pointer as the
+    buffer is written (no version counter moves, so autograd's saved-tensor checks see the
+    tensors it saved); the node's backward raises while it is unset."""
+
+    __slots__ = ("buffer", "filled")
+
+    def __init__(self, out: Tensor, buffer: Tensor, filled: Tensor) -> None:
+        super().__init__(out)
+        self.buffer, self.filled = buffer, filled
+
+    def mask_buffer(self) -> Optional[Tensor]:
+        return self.buffer
+
+    def fulfil(self, q) -> None:
+        if q.mask is not self.buffer:
+            raise RuntimeError("actnn_zoo: a claimed ReLU output was quantized without its "
+                               "mask buffer")
+        _SET_FLAG(self.filled)
+        super().fulfil(q)
+
+    def fall_back(self) -> None:
+        out, self.out = self.out, None
+        if out is None or tensor_version(out) != self.version:
+            return  # changed in place since the ReLU: the flag stays unset, backward raises
+        _PACK_COMPARE(out.detach().reshape(-1), 0, 0.0, 0.0, self.buffer)  # relu's not_le
+        _SET_FLAG(self.filled)
+
+
+def _claim_node(x: Tensor, inplace: bool, slot: ZeroCodeSlot, store) -> Optional[Tensor]:
+    """ReLU inside a capture session as the compiled node ``_C.qmask``: what
+    :class:`MaskActivationFunction` does there (the probe, then a claim on the consumer's
+    codes when the slot learned that the consumer compresses the output, else the mask and an
+    offer), without its Python autograd Function. For a contiguous CPU tensor of the mask
+    node's dtypes whose saves reach autograd as themselves (:meth:`saves_pass_through`: the
+    claim's buffer is written after the forward); else None, with nothing done. Gradients are
+    bit-identical to the Function's (tests/test_qlayer_nodes.py)."""
+    if not (_QMASK is not None and _SET_FLAG is not None and _PACK_COMPARE is not None
+            and type(x) is Tensor and x.device.type == "cpu" and x.dtype in _MASK_NODE_DTYPES
+            and x.is_contiguous() and store.saves_pass_through()):
+        return None
+    innermost = store.hooks_innermost()
+    slot.probed = True
+    if slot.enabled and innermost:  # the consumer's sparse codes will hold the mask
+        buffer = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
+        filled = torch.zeros(1, dtype=torch.uint8)
+        store.keep(buffer, filled, counted=False)  # the consumer's payload counts the mask
+        out = _QMASK(x, buffer, "relu", 0.0, 0.0, inplace, None, filled)
+        store.claim(out, _HeldClaim(out, buffer, filled), slot)
+        return out
+    packed = pack_compare(x, "not_le")
+    store.keep(packed)
+    out = _QMASK(x, packed, "relu", 0.0, 0.0, inplace, None)
+    store.offer(out, slot)
+    return out
 
 
 def relu(x: Tensor, inplace: bool = False, slot: Optional[ZeroCodeSlot] = None) -> Tensor:
@@ -217,6 +282,12 @@ def relu(x: Tensor, inplace: bool = False, slot: Optional[ZeroCodeSlot] = None) 
         out = _mask_node(x, "relu", 0.0, 0.0, inplace)  # no claim, no probe to mirror
         if out is not None:
             return out
+    elif _QCLAIM:
+        session = active_session()
+        if session is not None:
+            out = _claim_node(x, inplace, slot, session.store)
+            if out is not None:
+                return out
     out = MaskActivationFunction.apply(x, "relu", 0.0, 0.0, inplace, slot)
     if slot is not None and slot.waiting is not None:
         session = active_session()

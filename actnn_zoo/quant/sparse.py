@@ -43,7 +43,8 @@ def sparse_kernels(device: torch.device):
 
 def quantize_sparse(x: Tensor, bits: Bits = 2, group_size: int = 256,
                     seed: Optional[int] = None, rounding: str = "stochastic",
-                    validate: Optional[bool] = None) -> SparseQuantizedTensor:
+                    validate: Optional[bool] = None,
+                    mask_out: Optional[Tensor] = None) -> SparseQuantizedTensor:
     """Compress ``x`` as a mask of ``x != 0`` plus ``bits``-wide codes of its nonzero values.
 
     ``bits``: 1, 2, 4 or 8, per-sample widths as a 1-d integer tensor, or
@@ -52,13 +53,27 @@ def quantize_sparse(x: Tensor, bits: Bits = 2, group_size: int = 256,
     over its nonzero values only; NaN counts as nonzero (its group decodes to NaN), -0.0 as
     zero (decodes to +0.0). The result dequantizes to an unbiased estimate of ``x`` with the
     zeros exact; its ``mask`` is ``pack_mask(x != 0)`` in row-major order.
+
+    ``mask_out``: a contiguous uint8 CPU tensor of ``ceil(x.numel() / 8)`` bytes the mask is
+    written into (through its pointer: its version counter does not move) and which becomes the
+    result's ``mask`` -- a ReLU node's buffer, read by its backward (``functional.activation``).
+    Compiled CPU kernels only.
     """
     group_size, seed = check_quantize_args(x, group_size, rounding, seed)
     rows = as_rows(no_graph(x))
     n, d = rows.shape
     row_bits, _ = _row_bits(bits, n, x.device)
     check_sample_bits(bits, validate)
-    data, lo, step, mask, offsets = sparse_kernels(x.device).quantize_sparse(
+    k = sparse_kernels(x.device)
+    if mask_out is not None:
+        if k is reference:
+            raise ValueError("quantize_sparse: mask_out needs the compiled CPU kernels")
+        data, lo, step, mask, offsets = k.quantize_sparse(
+            rows.contiguous(), row_bits.contiguous(), group_size, seed & 0xFFFFFFFF,
+            rounding == "stochastic", mask_out)
+        return SparseQuantizedTensor(data, lo, step, mask, row_bits, offsets, x.shape,
+                                     x.dtype, group_size)
+    data, lo, step, mask, offsets = k.quantize_sparse(
         rows.contiguous(), row_bits.contiguous(), group_size, seed & 0xFFFFFFFF,
         rounding == "stochastic")
     return SparseQuantizedTensor(data, lo, step, mask, row_bits, offsets, x.shape, x.dtype,
