@@ -214,8 +214,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, const OptTenso
                    const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                    const OptTensor& row_bits, const OptTensor& offsets, const OptTensor& mask,
                    int64_t bits, int64_t group_size) {
-  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
-                    "qlinear: x ", x.sizes(), " does not fit weight ", weight.sizes());
+  if (!(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1))) {
+    (void)at::linear(x, weight, bias);  // torch's own error (a RuntimeError), as nn.Linear's
+    TORCH_CHECK(false, "qlinear: x ", x.sizes(), " does not fit weight ", weight.sizes());
+  }
   TORCH_CHECK_VALUE(lo.dim() == 2 && step.sizes() == lo.sizes(),
                     "qlinear: lo and step must be (rows, groups) alike, got ", lo.sizes(),
                     " and ", step.sizes());

@@ -476,6 +476,21 @@ def test_mask_node_is_taken_where_no_codes_are_shared():
     out.sum().backward()
 
 
+def test_linear_node_raises_torchs_error_for_a_wrong_width():
+    """An input that does not fit the weight raises what nn.Linear raises (a RuntimeError
+    with torch's message), not a ValueError of the node's own: code that catches torch's
+    error keeps working after conversion."""
+    torch.manual_seed(0)
+    ref = nn.Linear(16, 8)
+    q = az.convert_model(copy.deepcopy(ref), bits=2, strategy="uniform")
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError) as want:
+        ref(x)
+    with pytest.raises(RuntimeError) as got:
+        q(x)
+    assert str(got.value) == str(want.value)
+
+
 class _ReluConsumers(nn.Module):
     """Convs around ReLUs whose outputs go to a conv (sparse codes shared), to a max-pool
     (nothing compresses them), to a conv and a max-pool in turn (r1: a claim made after a
