@@ -30,6 +30,23 @@ from actnn_zoo import convert_model  # noqa: E402
 from actnn_zoo.bench import interleaved_step_times  # noqa: E402
 from actnn_zoo.quant.backend import kernels  # noqa: E402
 
+class _SelfAttention(nn.Module):
+    """Causal self-attention with dropout, q = k = v = the input split into heads and
+    transposed, as transformers pass them (GPT-2's layout and sizes: 4 heads of 16): what tier
+    2 routes to the zoo's attention. Keeps the input's shape, so it chains."""
+
+    def __init__(self, heads: int = 4, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, e = x.shape
+        h = x.view(b, t, self.heads, e // self.heads).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            h, h, h, dropout_p=self.p if self.training else 0.0, is_causal=True)
+        return out.transpose(1, 2).reshape(b, t, e)
+
+
 # name -> (layer factory, input shape); inputs require grad so every layer's backward runs
 LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "conv": (lambda: nn.Conv2d(16, 16, 3, padding=1), (1, 16, 8, 8)),
@@ -41,6 +58,7 @@ LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "gelu": (lambda: nn.GELU(), (1, 128)),
     "softmax": (lambda: nn.Softmax(dim=-1), (1, 4, 16, 16)),
     "dropout": (lambda: nn.Dropout(0.1), (1, 128)),
+    "attention": (_SelfAttention, (1, 16, 64)),  # a functional call: captured, not converted
 }
 
 VARIANTS = {  # name -> convert_model overrides (None: the torch layer)

@@ -30,9 +30,9 @@ def test_one_row_per_layer_with_the_extra_time_of_each_variant(capsys):
 
 def test_unknown_layer_is_named(capsys):
     with pytest.raises(SystemExit):
-        _script().main(["--layers", "conv,attention"])
+        _script().main(["--layers", "conv,transformer"])
     err = capsys.readouterr().err
-    assert "attention" in err and "conv" in err.split("known:")[1]
+    assert "transformer" in err and "conv" in err.split("known:")[1]
 
 
 def test_batch_option_sets_the_input_batch(capsys, monkeypatch):
@@ -103,3 +103,27 @@ def test_chain_reports_per_layer_and_refuses_a_shrinking_layer(capsys, monkeypat
         with pytest.raises(SystemExit):
             mod.main(bad)
         assert why in capsys.readouterr().err
+
+
+def test_attention_row_runs_the_zoos_attention_with_capture_only(capsys, monkeypatch):
+    """The attention "layer" is a functional call: tier 2 routes it to the zoo's attention
+    (with capture), while without capture it stays torch's own op."""
+    from actnn_zoo.functional import attention as fattn
+
+    calls = []
+    real = fattn.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fattn, "scaled_dot_product_attention", counting)
+    mod = _script()
+    capture = mod.step_fn("attention", {"bits": 2, "strategy": "uniform"}, chain=2)
+    capture()
+    assert len(calls) == 2
+    plain = mod.step_fn("attention", {"bits": 2, "strategy": "uniform", "capture": False}, chain=2)
+    plain()
+    assert len(calls) == 2
+    assert mod.main(["--layers", "attention", "--calls", "2", "--rounds", "1", "--chain",
+                     "2"]) == 0
+    assert any(line.startswith("attention ") for line in capsys.readouterr().out.splitlines())
