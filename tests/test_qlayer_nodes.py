@@ -549,6 +549,33 @@ def test_claim_node_equals_the_python_function(inplace, dtype, monkeypatch):
         [True, False, True]
 
 
+def test_claim_node_leaves_the_claim_to_the_function_under_outer_hooks():
+    """Under the user's own saved-tensor hooks (which may copy what they are given, as
+    save_on_cpu does) the node's buffer, filled after the forward, could be copied empty: the
+    claim then stays with the Python Function, and the gradients equal those without hooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    x = torch.randn(2, 3, 8, 8)
+    grads, nodes = [], []
+    for hooks in (False, True):
+        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+        for step in range(2):
+            q.zero_grad()
+            torch.manual_seed(3 + step)
+            if hooks:
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+                    out = q(x)
+            else:
+                out = q(x)
+            out.square().sum().backward()
+        grads.append([p.grad for p in q.parameters()])
+        nodes.append(grad_nodes(out))
+    assert "MaskActivationFunctionBackward" not in nodes[0]
+    assert "MaskActivationFunctionBackward" in nodes[1]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_claim_node_retains_the_graph_and_raises_on_a_changed_output():
     """The node's buffer is read again by a second backward (retain_graph); an output changed
     in place after the ReLU, before anything saved it, leaves the flag unset and its backward

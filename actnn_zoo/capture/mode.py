@@ -103,7 +103,7 @@ def call_unrouted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     ``_PROBE.dim()``, which torch hands to the innermost mode only; the capture mode answers
     with itself and is taken off the stack (``__exit__``) while ``fn`` runs and put back
     (``__enter__``) after, also when ``fn`` raises -- what torch's own override protocol does
-    around a mode's handler, without its Python (~4.5 us a call before, ~1.3 now). A mode the
+    around a mode's handler, without its Python (~4.5 us a call before, ~1.6 now). A mode the
     user entered inside the forward (a ``torch.device`` context, a counting mode) is innermost
     then: it sees the probe (and hands it on to the capture mode, which answers it as any call
     then), must keep seeing the layer's calls, so ``fn`` runs plainly. Tensor
