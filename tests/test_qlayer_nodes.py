@@ -517,9 +517,14 @@ class _ReluConsumers(nn.Module):
         return self.c2(self.r2(h * 1.0))
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_claim_node_equals_the_python_function(inplace, dtype, monkeypatch):
+@pytest.mark.parametrize("inplace,dtype,convert", [
+    (False, torch.float32, {"bits": 2, "strategy": "uniform"}),
+    (True, torch.float32, {"bits": 2, "strategy": "uniform"}),
+    (False, torch.float64, {"bits": 2, "strategy": "uniform"}),
+    (True, torch.float64, {"bits": 2, "strategy": "uniform"}),
+    (True, torch.float32, {}),  # the default: the consumers' per-sample widths (actnn)
+])
+def test_claim_node_equals_the_python_function(inplace, dtype, convert, monkeypatch):
     """ReLUs inside a capture session as the compiled node (activation._claim_node) against
     the Python Function, over steps that learn the slots (a mask and an offer first, then a
     claim): gradients, buffers and the capture report equal; the shared codes are the
@@ -536,8 +541,7 @@ def test_claim_node_equals_the_python_function(inplace, dtype, monkeypatch):
         seen["fall_back"] += self.out is not None
         fall_back(self)
     monkeypatch.setattr(fact._HeldClaim, "fall_back", counted)
-    node, python = _train_both(model, x, fact, "_QCLAIM", 5, monkeypatch, bits=2,
-                               strategy="uniform")
+    node, python = _train_both(model, x, fact, "_QCLAIM", 5, monkeypatch, **convert)
     assert seen["fall_back"] >= 1  # r1's claim, answered by nobody, packed its mask
     assert "QMaskFunction" in node[0] and "MaskActivationFunctionBackward" not in node[0]
     assert "MaskActivationFunctionBackward" in python[0]
