@@ -37,6 +37,15 @@ inline std::pair<int64_t, int64_t> contract_rows(at::IntArrayRef shape) {
   return {shape[0], d};
 }
 
+// Raise ValueError unless `t` is a contiguous uint8 CPU tensor of `bytes` bytes: a buffer a
+// kernel writes through its pointer for its caller (a ReLU node's mask, its 1-byte flag).
+inline void check_byte_buffer(const at::Tensor& t, int64_t bytes, const char* what) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous() &&
+                        t.numel() == bytes,
+                    what, " must be a contiguous uint8 CPU tensor of ", bytes, " bytes, got ",
+                    t.numel(), " of ", t.scalar_type(), " on ", t.device());
+}
+
 // x2d: (N, D) contiguous float32/float16/bfloat16. bits: (N,) uint8 in {1,2,4,8}.
 // offsets: (N + 1,) int64 byte offset of each row, offsets[N] <= total (bytes after the last
 // row, a capacity the caller sized without reading the widths back, are zeroed).

@@ -94,12 +94,8 @@ at::Tensor pack_compare_cpu(const at::Tensor& x, int64_t kind, double lo, double
   const int64_t n = x.numel();
   at::Tensor out;
   if (into.has_value()) {  // written through its pointer: its version counter does not move
+    check_byte_buffer(*into, (n + 7) / 8, "pack_compare: out");
     out = *into;
-    TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kByte &&
-                      out.is_contiguous() && out.numel() == (n + 7) / 8,
-                      "pack_compare: out must be a contiguous uint8 CPU tensor of ", (n + 7) / 8,
-                      " bytes, got ", out.numel(), " of ", out.scalar_type(), " on ",
-                      out.device());
   } else {
     out = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
   }

@@ -488,18 +488,13 @@ at::Tensor qmask(const at::Tensor& x, const at::Tensor& packed, const std::strin
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.numel() == (x.numel() + 7) / 8,
                     "qmask: packed must hold one bit per value of x ", x.sizes(), ", got ",
                     packed.numel(), " bytes of ", packed.scalar_type());
-  TORCH_CHECK_VALUE(!filled.has_value() ||
-                    (filled->scalar_type() == at::kByte && filled->numel() == 1 &&
-                     filled->device().is_cpu()),
-                    "qmask: filled must be one uint8 byte on the CPU");
+  if (filled.has_value()) check_byte_buffer(*filled, 1, "qmask: filled");
   return QMaskFunction::apply(x, packed, op, a, b, inplace, off, filled);
 }
 
 // Set a 1-byte flag (qmask's `filled`) through its pointer: its version counter does not move.
 void set_flag(const at::Tensor& flag) {
-  TORCH_CHECK_VALUE(flag.scalar_type() == at::kByte && flag.numel() == 1 &&
-                    flag.device().is_cpu() && flag.is_contiguous(),
-                    "set_flag: flag must be one uint8 byte on the CPU");
+  check_byte_buffer(flag, 1, "set_flag: flag");
   flag.data_ptr<uint8_t>()[0] = 1;
 }
 

@@ -415,12 +415,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   // written through its pointer, so the buffer's version counter does not move)
   at::Tensor mask;
   if (mask_out.has_value()) {
+    check_byte_buffer(*mask_out, (n_rows * d + 7) / 8, "quantize_sparse: mask_out");
     mask = *mask_out;
-    TORCH_CHECK_VALUE(mask.device().is_cpu() && mask.scalar_type() == at::kByte &&
-                      mask.is_contiguous() && mask.numel() == (n_rows * d + 7) / 8,
-                      "quantize_sparse: mask_out must be a contiguous uint8 CPU tensor of ",
-                      (n_rows * d + 7) / 8, " bytes, got ", mask.numel(), " of ",
-                      mask.scalar_type(), " on ", mask.device());
   } else {
     mask = at::empty({(n_rows * d + 7) / 8}, opts.dtype(at::kByte));
   }

@@ -211,8 +211,7 @@ def _mask_node(x: Tensor, op: str, a: float, b: float, inplace: bool) -> Optiona
 
 
 _MASK_NODE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_SET_FLAG = getattr(extension(), "set_flag", None)
-_PACK_COMPARE = getattr(extension(), "pack_compare", None)
+_SET_FLAG = getattr(extension(), "set_flag", None)  # (its build's pack_compare takes out=)
 
 
 class _HeldClaim(ZeroCodeClaim):
@@ -243,7 +242,7 @@ class _HeldClaim(ZeroCodeClaim):
         out, self.out = self.out, None
         if out is None or tensor_version(out) != self.version:
             return  # changed in place since the ReLU: the flag stays unset, backward raises
-        _PACK_COMPARE(out.detach().reshape(-1), 0, 0.0, 0.0, self.buffer)  # relu's not_le
+        pack_compare(out.detach(), "not_le", out=self.buffer)  # ReLU's backward predicate
         _SET_FLAG(self.filled)
 
 
@@ -255,9 +254,9 @@ def _claim_node(x: Tensor, inplace: bool, slot: ZeroCodeSlot, store) -> Optional
     node's dtypes whose saves reach autograd as themselves (:meth:`saves_pass_through`: the
     claim's buffer is written after the forward); else None, with nothing done. Gradients are
     bit-identical to the Function's (tests/test_qlayer_nodes.py)."""
-    if not (_QMASK is not None and _SET_FLAG is not None and _PACK_COMPARE is not None
-            and type(x) is Tensor and x.device.type == "cpu" and x.dtype in _MASK_NODE_DTYPES
-            and x.is_contiguous() and store.saves_pass_through()):
+    if not (_QMASK is not None and _SET_FLAG is not None and type(x) is Tensor
+            and x.device.type == "cpu" and x.dtype in _MASK_NODE_DTYPES and x.is_contiguous()
+            and store.saves_pass_through()):
         return None
     innermost = store.hooks_innermost()
     slot.probed = True
@@ -268,9 +267,7 @@ def _claim_node(x: Tensor, inplace: bool, slot: ZeroCodeSlot, store) -> Optional
         out = _QMASK(x, buffer, "relu", 0.0, 0.0, inplace, None, filled)
         store.claim(out, _HeldClaim(out, buffer, filled), slot)
         return out
-    packed = pack_compare(x, "not_le")
-    store.keep(packed)
-    out = _QMASK(x, packed, "relu", 0.0, 0.0, inplace, None)
+    out = _mask_node(x, "relu", 0.0, 0.0, inplace)  # applies: the checks above include its own
     store.offer(out, slot)
     return out
 

@@ -523,7 +523,8 @@ def pack_mask(mask: Tensor) -> Tensor:
     return kernels(mask.device).pack_mask(flat)
 
 
-def pack_compare(x: Tensor, kind: str, lo: float = 0.0, hi: float = 0.0) -> Tensor:
+def pack_compare(x: Tensor, kind: str, lo: float = 0.0, hi: float = 0.0,
+                 out: Optional[Tensor] = None) -> Tensor:
     """``pack_mask`` of a comparison of ``x``, made in one read of ``x`` with no bool tensor.
 
     ``kind``: ``"not_le"`` (``~(x <= lo)``, ReLU's backward predicate, true at NaN), ``"gt"``
@@ -532,6 +533,11 @@ def pack_compare(x: Tensor, kind: str, lo: float = 0.0, hi: float = 0.0) -> Tens
     ``hi`` must be exactly representable in ``x``'s dtype (the mask then equals torch's
     comparison in that dtype). Bit-identical to ``pack_mask(<the comparison>)``, which runs
     instead for other dtypes or without compiled kernels.
+
+    ``out``: a contiguous uint8 CPU tensor of ``ceil(x.numel() / 8)`` bytes the bits are
+    written into through its pointer (its version counter does not move) and returned: a ReLU
+    node's buffer, filled after its forward (``functional.activation``). Compiled CPU kernels
+    only.
     """
     if kind not in reference.COMPARE_KINDS:
         raise ValueError(f"pack_compare kind must be one of {reference.COMPARE_KINDS}, "
@@ -539,6 +545,10 @@ def pack_compare(x: Tensor, kind: str, lo: float = 0.0, hi: float = 0.0) -> Tens
     code = reference.COMPARE_KINDS.index(kind)
     flat = x.reshape(-1)
     fn = getattr(kernels(x.device), "pack_compare", None)
+    if out is not None:
+        if fn is None or x.device.type != "cpu" or x.dtype not in _MASKED_GRAD_DTYPES:
+            raise ValueError("pack_compare: out needs the compiled CPU kernel and a float input")
+        return fn(flat.contiguous(), code, float(lo), float(hi), out)
     if fn is None or x.dtype not in _MASKED_GRAD_DTYPES or flat.numel() == 0:
         return pack_mask(reference.compare(flat, code, lo, hi))
     return fn(flat.contiguous(), code, float(lo), float(hi))

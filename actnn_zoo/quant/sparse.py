@@ -65,17 +65,11 @@ def quantize_sparse(x: Tensor, bits: Bits = 2, group_size: int = 256,
     row_bits, _ = _row_bits(bits, n, x.device)
     check_sample_bits(bits, validate)
     k = sparse_kernels(x.device)
-    if mask_out is not None:
-        if k is reference:
-            raise ValueError("quantize_sparse: mask_out needs the compiled CPU kernels")
-        data, lo, step, mask, offsets = k.quantize_sparse(
-            rows.contiguous(), row_bits.contiguous(), group_size, seed & 0xFFFFFFFF,
-            rounding == "stochastic", mask_out)
-        return SparseQuantizedTensor(data, lo, step, mask, row_bits, offsets, x.shape,
-                                     x.dtype, group_size)
+    if mask_out is not None and k is reference:
+        raise ValueError("quantize_sparse: mask_out needs the compiled CPU kernels")
     data, lo, step, mask, offsets = k.quantize_sparse(
         rows.contiguous(), row_bits.contiguous(), group_size, seed & 0xFFFFFFFF,
-        rounding == "stochastic")
+        rounding == "stochastic", *(() if mask_out is None else (mask_out,)))
     return SparseQuantizedTensor(data, lo, step, mask, row_bits, offsets, x.shape, x.dtype,
                                  group_size)
 
