@@ -47,6 +47,19 @@ class _SelfAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, t, e)
 
 
+class _CrossEntropy(nn.Module):
+    """Cross-entropy of the input's rows (ImageNet's 1000 classes) against fixed targets, added
+    back to the input so that it keeps its shape and chains: what tier 2 routes to the zoo's
+    loss."""
+
+    def __init__(self, classes: int = 1000, rows: int = 512) -> None:
+        super().__init__()
+        self.register_buffer("target", torch.randint(0, classes, (rows,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.cross_entropy(x, self.target[:x.shape[0]])
+
+
 # name -> (layer factory, input shape); inputs require grad so every layer's backward runs
 LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "conv": (lambda: nn.Conv2d(16, 16, 3, padding=1), (1, 16, 8, 8)),
@@ -59,6 +72,7 @@ LAYERS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
     "softmax": (lambda: nn.Softmax(dim=-1), (1, 4, 16, 16)),
     "dropout": (lambda: nn.Dropout(0.1), (1, 128)),
     "attention": (_SelfAttention, (1, 16, 64)),  # a functional call: captured, not converted
+    "loss": (_CrossEntropy, (2, 1000)),  # likewise
 }
 
 VARIANTS = {  # name -> convert_model overrides (None: the torch layer)

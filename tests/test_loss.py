@@ -230,6 +230,79 @@ def test_cross_entropy_uint8_targets_and_all_ignored():
     assert torch.equal(g, torch.zeros_like(x))
 
 
+@HYP
+@given(n=st.integers(1, 12), classes=st.integers(1, 300),
+       reduction=st.sampled_from(["mean", "sum", "none"]), ignored=st.booleans(),
+       uint8=st.booleans(), bits=st.sampled_from([2, 8, "per-sample"]), seed=st.integers(0, 99))
+def test_cross_entropy_compiled_rows_equal_the_python_path(n, classes, reduction, ignored, uint8,
+                                                           bits, seed):
+    """(rows, classes) float32 logits on the CPU run as one compiled call each way
+    (cpp_ext/loss_cpu.cpp): the loss, the codes' seed and the gradient are the Python path's,
+    bit for bit, for every reduction, ignored rows, uint8 targets and per-sample widths."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, classes, generator=g) * 3).requires_grad_(True)
+    t = torch.randint(0, classes, (n,), generator=g)
+    if ignored:
+        t[::3] = -100
+    if uint8:
+        t = t.clamp_min(0).to(torch.uint8)
+    widths = torch.tensor([1, 2, 4, 8], dtype=torch.uint8)
+    b = widths[torch.randint(0, 4, (n,), generator=g)] if bits == "per-sample" else bits
+    go = torch.randn(n if reduction == "none" else (), generator=g)
+
+    def run():
+        torch.manual_seed(seed)  # the seed compress draws for the codes
+        out = cross_entropy(x, t, reduction=reduction, bits=b)
+        return out, torch.autograd.grad(out, x, go)[0]
+
+    assert loss_mod._rows_compiled(x, None, 0.0, None)
+    out, grad = run()
+    assert type(out.grad_fn).__name__ == "CrossEntropyFunctionBackward"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loss_mod, "_ROWS_FORWARD", None)
+        ref_out, ref_grad = run()
+    assert out.dtype == ref_out.dtype and out.shape == ref_out.shape
+    assert torch.equal(out, ref_out) or (out.isnan().all() and ref_out.isnan().all())
+    assert torch.equal(grad, ref_grad)
+
+
+def test_cross_entropy_compiled_rows_only_where_they_apply(monkeypatch):
+    """Anything but contiguous float32 (rows, classes) logits without weights or smoothing, in
+    one chunk and without the debug checks, takes the Python path; the compiled calls check
+    their own arguments."""
+    x = torch.randn(6, 5)
+    assert loss_mod._rows_compiled(x, None, 0.0, None)
+    assert not loss_mod._rows_compiled(x.t(), None, 0.0, None)  # not contiguous
+    assert not loss_mod._rows_compiled(x.double(), None, 0.0, None)
+    assert not loss_mod._rows_compiled(x.reshape(6, 5, 1), None, 0.0, None)
+    assert not loss_mod._rows_compiled(x[:0], None, 0.0, None)
+    assert not loss_mod._rows_compiled(x, torch.ones(5), 0.0, None)
+    assert not loss_mod._rows_compiled(x, None, 0.1, None)
+    assert not loss_mod._rows_compiled(x, None, 0.0, 5)  # two chunks of rows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not loss_mod._rows_compiled(x, None, 0.0, None)
+    monkeypatch.setenv("ACTNN_ZOO_DEBUG", "1")
+    assert not loss_mod._rows_compiled(x, None, 0.0, None)
+    monkeypatch.delenv("ACTNN_ZOO_DEBUG")
+    fwd, bwd = loss_mod._ROWS_FORWARD, loss_mod._ROWS_BACKWARD
+    t = torch.tensor([0, 1, 2, 3, 4, 0])
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fwd(x.double(), t, -100, 1, True)
+    with pytest.raises(ValueError, match="reduction code"):
+        fwd(x, t, -100, 3, True)
+    with pytest.raises(ValueError, match="int64 or uint8"):
+        fwd(x, t.int(), -100, 1, True)
+    with pytest.raises(ValueError, match="5 targets for 6 rows"):
+        fwd(x, t[:5], -100, 1, True)
+    _, tt, a, d, q = fwd(x, t, -100, 0, True)
+    with pytest.raises(ValueError, match="'none' needs 6 gradient values"):
+        bwd(q, tt, a, d, torch.ones(5), 0)
+    with pytest.raises(ValueError, match="6 int64 targets"):
+        bwd(q, tt[:5], a, d, torch.ones(()), 1)
+    with pytest.raises(RuntimeError, match="index 7 is out of bounds"):
+        fwd(x, torch.tensor([0, 1, 2, 3, 4, 7]), -100, 1, True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Unbiasedness at 2 bits
 # ----------------------------------------------------------------------------------------------

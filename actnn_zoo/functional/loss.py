@@ -109,6 +109,7 @@ from torch import Tensor
 from ..config import LayerQConfig
 from ..quant import Bits, SampleBits
 from ..quant.api import debug_checks
+from ..quant.backend import extension
 from ._autocast import autocast_enabled as _autocast_on
 from ._autocast import no_autocast as _no_autocast
 from ._saving import compress, load, restore, save
@@ -124,6 +125,12 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _REDUCTIONS = ("none", "mean", "sum")
 
 Block = Tuple[int, int, int, int]  # samples n0:n1, positions s0:s1 of the (N, C, S) view
+
+# CrossEntropyFunction's operators for (rows, classes) float32 logits in one compiled call each
+# way (cpp_ext/loss_cpu.cpp); None without the extension or in an older build
+_ROWS_FORWARD = getattr(extension(), "cross_entropy_rows_forward", None)
+_ROWS_BACKWARD = getattr(extension(), "cross_entropy_rows_backward", None)
+_REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 
 
 def chunk_rows(classes: int, chunk_size: Optional[int] = None, kind: str = "cpu") -> int:
@@ -295,6 +302,10 @@ class CrossEntropyFunction(torch.autograd.Function):
                 reduction: str, label_smoothing: float, out_shape: torch.Size,
                 out_dtype: torch.dtype, qconfig: LayerQConfig, bits: Optional[Bits],
                 chunk_size: Optional[int]) -> Tensor:
+        if _rows_compiled(x, weight, label_smoothing, chunk_size):
+            return _rows_forward(ctx, x, target, ignore_index, reduction, out_shape, out_dtype,
+                                 qconfig, bits)
+        ctx.compiled = False
         with _no_autocast(x):
             if x.dim() == 1:
                 x3 = x.reshape(1, -1, 1)
@@ -346,6 +357,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         no_double_backward("cross_entropy")
         if ctx.needs_input_grad[2]:
             raise RuntimeError("the derivative for 'weight' is not implemented")
+        if ctx.compiled:
+            tt, a, d, payload = load(ctx)
+            gx = _ROWS_BACKWARD(restore(payload), tt, a, d, grad, _REDUCTION_CODES[ctx.layout])
+            return (gx,) + (None,) * 10
         shape, dtype, (n, classes, s), blocks, reduction, smoothing = ctx.layout
         tt, a, d, c, weight, *payloads = load(ctx)
         g = grad.float().reshape(-1) if reduction == "none" else grad.float()
@@ -367,6 +382,37 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad3[n0:n1, :, s0:s1].copy_(out.view(n1 - n0, s1 - s0, classes).transpose(1, 2))
             del out
         return (grad3.reshape(shape),) + (None,) * 10
+
+
+def _rows_compiled(x: Tensor, weight: Optional[Tensor], label_smoothing: float,
+                   chunk_size: Optional[int]) -> bool:
+    """Whether the forward and backward run as one compiled call each (cpp_ext/loss_cpu.cpp):
+    contiguous, nonempty float32 (rows, classes) logits on the CPU, no class weights, no
+    smoothing, one chunk of rows, no autocast, and the targets not read for the debug checks. The calls run
+    the Python path's operators on the same tensors: the same loss, codes and gradient."""
+    return (_ROWS_FORWARD is not None and x.dim() == 2 and x.dtype == torch.float32
+            and x.device.type == "cpu" and x.is_contiguous() and x.numel() > 0 and weight is None
+            and label_smoothing == 0.0 and not _autocast_on(x) and not debug_checks()
+            and x.shape[0] <= chunk_rows(x.shape[1], chunk_size, "cpu"))
+
+
+def _rows_forward(ctx, x: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                  out_shape: torch.Size, out_dtype: torch.dtype, qconfig: LayerQConfig,
+                  bits: Optional[Bits]) -> Tensor:
+    """CrossEntropyFunction.forward through ``_ROWS_FORWARD``; saves (tt, a, d, codes of q)."""
+    if target.dtype not in (torch.int64, torch.uint8):  # _targets' check, with its message
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got "
+                           f"{_dtype_name(target.dtype)}")
+    need_grad = ctx.needs_input_grad[0]
+    loss, tt, a, d, q = _ROWS_FORWARD(x, target, ignore_index, _REDUCTION_CODES[reduction],
+                                      need_grad)
+    ctx.compiled = True
+    ctx.layout = reduction
+    if need_grad:
+        save(ctx, tt, a, d, compress(q, qconfig, _block_bits(bits, (0, x.shape[0], 0, 1))))
+    if reduction == "none":
+        loss = loss.reshape(out_shape)
+    return loss.to(out_dtype)
 
 
 def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None,
