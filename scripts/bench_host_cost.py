@@ -20,8 +20,10 @@ Models (random init, nothing downloaded):
             inside the model (``labels=``)
   cnn       the project's DigitsResNet (actnn_zoo.models) at batch 128, 28x28
 Modes: fp32 (the plain model), default (``convert_model(model)``: 2-bit average, actnn
-strategy, capture on), uniform-2 (2 bits everywhere, no strategy), no-capture (uniform 2 bits,
-``capture: false``); each of these three also with ``-python`` appended: the same conversion
+strategy, capture on), uniform-2 (2 bits everywhere, no strategy), relu-masks (uniform-2 with
+``relu_codes: false``: each ReLU keeps its own 1-bit mask instead of sharing its consumer's
+sparse codes, to price that sharing), no-capture (uniform 2 bits, ``capture: false``); each
+of these also with ``-python`` appended: the same conversion
 with the layers' Python autograd Functions instead of their compiled nodes
 (``cpp_ext/qlayers.cpp``) and the norms' and attention's fused calls (``COMPILED_PATHS``), so
 one run measures what they save; checkpoint (the plain model, ``torch.utils.checkpoint`` per
@@ -57,10 +59,11 @@ import actnn_zoo as az  # noqa: E402
 from actnn_zoo.bench import host_work, interleaved_step_times  # noqa: E402
 from actnn_zoo.nn._base import QModule  # noqa: E402
 
-MODES = ("fp32", "default", "uniform-2", "no-capture", "checkpoint", "compiled-fp32",
-         "compiled", "torch-compiled", "default-python", "uniform-2-python",
+MODES = ("fp32", "default", "uniform-2", "relu-masks", "no-capture", "checkpoint",
+         "compiled-fp32", "compiled", "torch-compiled", "default-python", "uniform-2-python",
          "no-capture-python", "fp32-mode", "fp32-hooks")
 CONVERSIONS = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
+               "relu-masks": {"bits": 2, "strategy": "uniform", "relu_codes": False},
                "no-capture": {"bits": 2, "strategy": "uniform", "capture": False}}
 OVERRIDES = {**CONVERSIONS, **{k + "-python": v for k, v in CONVERSIONS.items()}}
 

@@ -137,3 +137,21 @@ def test_python_modes_switch_every_compiled_path_off():
                 is None, name
         assert actnn._CHOOSE is None
     assert actnn._CHOOSE is not None
+
+
+def test_relu_masks_mode_turns_off_only_the_code_sharing():
+    """relu-masks is uniform-2 with ReLUs keeping their own masks (``relu_codes: false``):
+    the price of sharing the consumer's sparse codes, measured against uniform-2."""
+    import torch
+    from torch import nn
+
+    import actnn_zoo as az
+    mod = _script()
+    over = mod.OVERRIDES["relu-masks"]
+    assert {k: v for k, v in over.items() if k != "relu_codes"} == mod.OVERRIDES["uniform-2"]
+    model = az.convert_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)),
+                             **over)
+    assert model[1].qconfig.relu_codes is False
+    assert az.convert_model(nn.Sequential(nn.ReLU()), **mod.OVERRIDES["uniform-2"]
+                            )[0].qconfig.relu_codes is True
+    assert torch.is_tensor(model(torch.randn(1, 3, 8, 8)))
