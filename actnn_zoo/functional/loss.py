@@ -359,7 +359,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             raise RuntimeError("the derivative for 'weight' is not implemented")
         if ctx.compiled:
             tt, a, d, payload = load(ctx)
-            gx = _ROWS_BACKWARD(restore(payload), tt, a, d, grad, _REDUCTION_CODES[ctx.layout])
+            gx = _ROWS_BACKWARD(restore(payload), tt, a, d, grad, ctx.reduction_code)
             return (gx,) + (None,) * 10
         shape, dtype, (n, classes, s), blocks, reduction, smoothing = ctx.layout
         tt, a, d, c, weight, *payloads = load(ctx)
@@ -388,12 +388,13 @@ def _rows_compiled(x: Tensor, weight: Optional[Tensor], label_smoothing: float,
                    chunk_size: Optional[int]) -> bool:
     """Whether the forward and backward run as one compiled call each (cpp_ext/loss_cpu.cpp):
     contiguous, nonempty float32 (rows, classes) logits on the CPU, no class weights, no
-    smoothing, one chunk of rows, no autocast, and the targets not read for the debug checks. The calls run
-    the Python path's operators on the same tensors: the same loss, codes and gradient."""
+    smoothing, one chunk of rows, no autocast, and the targets not read for the debug checks.
+    The calls run the Python path's operators on the same tensors: the same loss, codes and
+    gradient."""
     return (_ROWS_FORWARD is not None and x.dim() == 2 and x.dtype == torch.float32
-            and x.device.type == "cpu" and x.is_contiguous() and x.numel() > 0 and weight is None
-            and label_smoothing == 0.0 and not _autocast_on(x) and not debug_checks()
-            and x.shape[0] <= chunk_rows(x.shape[1], chunk_size, "cpu"))
+            and x.device.type == "cpu" and x.is_contiguous() and x.numel() > 0
+            and weight is None and label_smoothing == 0.0 and not _autocast_on(x)
+            and not debug_checks() and x.shape[0] <= chunk_rows(x.shape[1], chunk_size, "cpu"))
 
 
 def _rows_forward(ctx, x: Tensor, target: Tensor, ignore_index: int, reduction: str,
@@ -404,10 +405,9 @@ def _rows_forward(ctx, x: Tensor, target: Tensor, ignore_index: int, reduction: 
         raise RuntimeError(f"expected target dtype to be Long or Byte, but got "
                            f"{_dtype_name(target.dtype)}")
     need_grad = ctx.needs_input_grad[0]
-    loss, tt, a, d, q = _ROWS_FORWARD(x, target, ignore_index, _REDUCTION_CODES[reduction],
-                                      need_grad)
     ctx.compiled = True
-    ctx.layout = reduction
+    ctx.reduction_code = _REDUCTION_CODES[reduction]
+    loss, tt, a, d, q = _ROWS_FORWARD(x, target, ignore_index, ctx.reduction_code, need_grad)
     if need_grad:
         save(ctx, tt, a, d, compress(q, qconfig, _block_bits(bits, (0, x.shape[0], 0, 1))))
     if reduction == "none":
