@@ -232,6 +232,20 @@ std::tuple<int64_t, int64_t> draw_sample_cpu(int64_t stride) {
   return {static_cast<int64_t>(r % s), seed};
 }
 
+// quant/seeds.py's read of torch's generator, without a tensor: torch.randint(0, 2^31 - 1, (1,))
+// on the CPU draws with uniform_int_from_to_distribution, which for a range of 2^28 or more
+// (ATen/core/DistributionsHelper.h, non-fbcode builds) takes one 64-bit draw modulo the range.
+// This returns the value that call would and leaves the generator where it would
+// (tests/test_seeds.py compares both over many seeds), at ~0.5 us instead of a tensor op and a
+// read.
+int64_t draw_seed_cpu() {
+  constexpr uint64_t kRange = 2147483647u;  // 2^31 - 1
+  auto gen = at::globalContext().defaultGenerator(c10::DeviceType::CPU);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  at::CPUGeneratorImpl* g = at::check_generator<at::CPUGeneratorImpl>(gen);
+  return static_cast<int64_t>(g->random64() % kRange);
+}
+
 at::Tensor rounding_variance_codes_cpu(
     const at::Tensor& lo, const at::Tensor& step, const std::optional<at::Tensor>& row_bits,
     int64_t bits, int64_t group_size, const at::Tensor& src,
@@ -397,6 +411,9 @@ void register_variance(pybind11::module_& m) {
   m.def("draw_sample", &draw_sample_cpu, nogil, py::arg("stride"),
         "(offset uniform in [0, stride), 31-bit seed) from torch's default CPU generator "
         "(reproducible under torch.manual_seed), read without a tensor.");
+  m.def("draw_seed", &draw_seed_cpu, nogil,
+        "int(torch.randint(0, 2**31 - 1, (1,)).item()) on torch's default CPU generator, the "
+        "same value and generator state, read without a tensor.");
   m.def("rounding_variance_codes", &rounding_variance_codes_cpu, nogil, py::arg("lo"),
         py::arg("step"), py::arg("row_bits"), py::arg("bits"), py::arg("group_size"),
         py::arg("src"), py::arg("shift"), py::arg("scale"), py::arg("stat_block"),

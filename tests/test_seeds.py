@@ -1,7 +1,9 @@
 """Seeds of stochastic rounding: one generator read per captured forward, then a counter.
 
 Reading torch's generator per compressed tensor cost a tensor op and a read each (~2-3 us of
-host time); inside a capture session the seeds come from a stream keyed by one read.
+host time); inside a capture session the seeds come from a stream keyed by one read, and a read
+is the extension's (``_C.draw_seed``): torch.randint's value and generator step, without the
+tensor.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import actnn_zoo as az
+import actnn_zoo.quant.seeds as seeds_mod
 from actnn_zoo.quant import dequantize, quantize
 from actnn_zoo.quant.seeds import draw_seed, seed_stream
 
@@ -26,12 +29,42 @@ class _CountDraws(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _state_after_one_read(seed: int) -> torch.Tensor:
+    """torch's CPU generator state after ``manual_seed(seed)`` and one torch.randint read."""
+    torch.manual_seed(seed)
+    torch.randint(0, 2 ** 31 - 1, (1,))
+    return torch.get_rng_state()
+
+
+def test_a_read_is_torch_randints_value_and_step():
+    """``_C.draw_seed`` returns what ``int(torch.randint(0, 2**31 - 1, (1,)).item())`` would
+    and advances the generator as it would (so seeds and every later draw are as before), over
+    many seeds and several reads in a row; the torch fallback gives the same."""
+    assert seeds_mod._DRAW is not None
+    for seed in range(0, 3000, 7):
+        torch.manual_seed(seed)
+        ours = [seeds_mod._read_generator() for _ in range(3)]
+        state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        torchs = [int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) for _ in range(3)]
+        assert ours == torchs and torch.equal(state, torch.get_rng_state()), seed
+    torch.manual_seed(11)
+    ours = draw_seed()  # outside a stream: one read
+    saved, seeds_mod._DRAW = seeds_mod._DRAW, None
+    try:
+        torch.manual_seed(11)
+        assert draw_seed() == ours
+    finally:
+        seeds_mod._DRAW = saved
+
+
 def test_stream_seeds_are_distinct_reproducible_and_one_read():
     torch.manual_seed(3)
     spy = _CountDraws()
     with spy, seed_stream():
         seeds = [draw_seed() for _ in range(5000)]
-    assert spy.draws == 1
+    assert spy.draws == 0  # read by the extension, not a tensor op
+    assert torch.equal(torch.get_rng_state(), _state_after_one_read(3))  # one read
     assert len(set(seeds)) == len(seeds) and all(0 <= s < 2 ** 31 for s in seeds)
     torch.manual_seed(3)
     with seed_stream():
@@ -62,9 +95,11 @@ def test_captured_forward_reads_the_generator_once():
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
     F.cross_entropy(model(x), y).backward()  # warm-up (first-forward probes)
     spy = _CountDraws()
+    torch.manual_seed(5)
     with spy:
         out = model(x)
     stats = az.capture_report(model)
-    assert spy.draws == 1, spy.draws
+    assert spy.draws == 0, spy.draws  # no tensor op draws
+    assert torch.equal(torch.get_rng_state(), _state_after_one_read(5))  # one generator read
     F.cross_entropy(out, y).backward()
     assert stats is not None  # the forward was captured
