@@ -60,13 +60,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_ent
   const at::Tensor tf = target.reshape({-1}).to(at::kLong);
   const at::Tensor valid = tf.ne(ignore_index);
   at::Tensor tt = at::where(valid, tf, at::Scalar(static_cast<int64_t>(0)));
-  const at::Tensor wt = valid.to(at::kFloat);
+  at::Tensor wt = valid.to(at::kFloat);
   // _coefficients without smoothing. Python's `1.0 / den` is den.reciprocal() * 1.0, and
   // a = s * ((1 - e) * wt + (e / C) * sum(w)) and b = s * (1 - e) * wt are both s * wt bit for
-  // bit at e = 0 (wt is 0 or 1; multiplying by 1.0 and adding +0.0 change no float).
+  // bit at e = 0 (wt is 0 or 1; multiplying by 1.0 and adding +0.0 change no float). For 'sum'
+  // and 'none' s is 1, so a is wt itself (0 on ignored rows, as the where makes it).
   const at::Tensor den = wt.sum();
-  const at::Tensor s = reduction == kMean ? den.reciprocal() : at::ones({}, wt.options());
-  at::Tensor a = at::where(valid, s.mul(wt), 0.0);
+  at::Tensor a = reduction == kMean ? at::where(valid, den.reciprocal().mul(wt), 0.0) : wt;
   // _row_losses
   const at::Tensor lse = at::logsumexp(x, {1});
   const at::Tensor idx = tt.unsqueeze(1);

@@ -256,7 +256,12 @@ def test_cross_entropy_compiled_rows_equal_the_python_path(n, classes, reduction
         return out, torch.autograd.grad(out, x, go)[0]
 
     assert loss_mod._rows_compiled(x, None, 0.0, None)
-    out, grad = run()
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:  # count the compiled forward's calls
+        fwd = loss_mod._ROWS_FORWARD
+        mp.setattr(loss_mod, "_ROWS_FORWARD", lambda *a: calls.append(1) or fwd(*a))
+        out, grad = run()
+    assert calls == [1]  # the compiled path ran, and only once
     assert type(out.grad_fn).__name__ == "CrossEntropyFunctionBackward"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loss_mod, "_ROWS_FORWARD", None)

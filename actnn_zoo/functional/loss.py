@@ -202,9 +202,7 @@ def _targets(target: Tensor, classes: int, ignore_index: int, weight: Optional[T
     ("index 7 is out of bounds ...") and assert on the device on CUDA, as torch's own kernels
     do. With the debug checks on (``ACTNN_ZOO_DEBUG=1``) the targets are read here and the
     error is torch's own ``IndexError: Target 7 is out of bounds.``"""
-    if target.dtype not in (torch.int64, torch.uint8):
-        raise RuntimeError(f"expected target dtype to be Long or Byte, but got "
-                           f"{_dtype_name(target.dtype)}")
+    _check_target_dtype(target)
     tf = target.reshape(-1).long()
     valid = tf != ignore_index
     if debug_checks():
@@ -217,6 +215,13 @@ def _targets(target: Tensor, classes: int, ignore_index: int, weight: Optional[T
     else:  # gather, not indexing: a negative target must raise, not wrap around
         wt = torch.where(valid, weight.float().gather(0, tt), 0.0)
     return tt, valid, wt
+
+
+def _check_target_dtype(target: Tensor) -> None:
+    """torch's check of a class-index target's dtype, with its message."""
+    if target.dtype not in (torch.int64, torch.uint8):
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got "
+                           f"{_dtype_name(target.dtype)}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -401,9 +406,7 @@ def _rows_forward(ctx, x: Tensor, target: Tensor, ignore_index: int, reduction: 
                   out_shape: torch.Size, out_dtype: torch.dtype, qconfig: LayerQConfig,
                   bits: Optional[Bits]) -> Tensor:
     """CrossEntropyFunction.forward through ``_ROWS_FORWARD``; saves (tt, a, d, codes of q)."""
-    if target.dtype not in (torch.int64, torch.uint8):  # _targets' check, with its message
-        raise RuntimeError(f"expected target dtype to be Long or Byte, but got "
-                           f"{_dtype_name(target.dtype)}")
+    _check_target_dtype(target)
     need_grad = ctx.needs_input_grad[0]
     ctx.compiled = True
     ctx.reduction_code = _REDUCTION_CODES[reduction]
