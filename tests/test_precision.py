@@ -23,6 +23,7 @@ from actnn_zoo.convert import precision_strategy
 from actnn_zoo.precision import (STRATEGY_CLASSES, ActNNStrategy, UniformStrategy,
                                  allocate_samples, allocate_weighted, quantization_cost,
                                  range_statistic)
+from actnn_zoo.precision.base import WATCH_ATTR, LayerWatch
 from actnn_zoo.precision.solver import _allocate_samples_torch, extra_bits
 from actnn_zoo.precision.stats import _range_statistic_torch
 from actnn_zoo.quant.backend import extension
@@ -424,8 +425,46 @@ def test_models_do_not_interact_and_deepcopy_is_independent():
 
 
 def hook_counts(model: nn.Module) -> Dict[str, int]:
-    return {n: len(m._forward_pre_hooks) + len(m._forward_hooks)
+    """Per module: its forward hooks and a strategy's callbacks around its calls."""
+    return {n: len(m._forward_pre_hooks) + len(m._forward_hooks) + (WATCH_ATTR in vars(m))
             for n, m in model.named_modules()}
+
+
+def test_strategy_callbacks_wrap_the_layer_call_not_as_module_hooks():
+    """The strategy's per-layer work runs around the Q-layer's call (LayerWatch), not as
+    module hooks (which put every watched call on nn.Module's slow path): the user's own
+    hooks still run, inside it -- a user pre-hook sees the widths the strategy just chose,
+    and the strategy measures the output a user forward hook left."""
+    torch.manual_seed(0)
+    model = az.convert_model(Net(), strategy="actnn")
+    conv = model.conv2
+    assert not conv._forward_pre_hooks and not conv._forward_hooks
+    assert isinstance(vars(conv)[WATCH_ATTR], LayerWatch)
+    seen: List[object] = []
+    conv.register_forward_pre_hook(
+        lambda m, args: seen.append(type(m.sample_bits).__name__))
+    conv.register_forward_hook(lambda m, args, out: seen.append("post") or out * 2.0)
+    data = batches(8, 3)
+    train(model, data)
+    assert seen == ["SampleBits", "post"] * 3, seen
+    st = precision_strategy(model)
+    assert st.step == 3 and conv.precision_stats.values > 0
+    # the root's own step hook still counts a forward before any layer's callback, also when
+    # the root is itself a watched Q-layer (its callbacks stay module hooks, after the step's)
+    root = az.convert_model(nn.Sequential(nn.Linear(8, 8)), strategy="actnn")[0]
+    lone = az.convert_model(nn.Linear(8, 8), strategy="actnn")
+    assert WATCH_ATTR not in vars(lone) and len(lone._forward_pre_hooks) == 2
+    assert isinstance(vars(root)[WATCH_ATTR], LayerWatch)
+    for _ in range(3):
+        lone(torch.randn(4, 8)).sum().backward()
+    assert precision_strategy(lone).step == 3 and lone.precision_stats.samples == 4
+    # restored: no callbacks left; eval and no_grad calls clear the widths as the hook did
+    model.eval()
+    with torch.no_grad():
+        model(data[0][0])
+    assert conv.sample_bits is None
+    plain = az.restore_model(model)
+    assert not any(WATCH_ATTR in vars(m) for m in plain.modules())
 
 
 def test_restore_and_reconvert_remove_the_hooks():

@@ -79,9 +79,16 @@ class QModule:
         # Under a capture session, a layer that saves through its own Function runs with the
         # capture mode off the stack: nothing it does needs routing, and the mode would cost a
         # Python call per torch call and attribute read (capture/mode.py, call_unrouted).
-        if not _is_compiling() and active_session() is not None and self.quantizing():
-            return call_unrouted(_module_call, self, *args, **kwargs)
-        return _nn_call(self, *args, **kwargs)
+        # A precision strategy's callbacks around the call (precision.base.LayerWatch, in
+        # place of module hooks) run in eager calls only.
+        if _is_compiling():
+            return _nn_call(self, *args, **kwargs)
+        call = self.__dict__.get("_az_watch")  # precision.base.WATCH_ATTR
+        if active_session() is not None and self.quantizing():
+            return call_unrouted(_module_call if call is None else call, self, *args, **kwargs)
+        if call is None:
+            return _nn_call(self, *args, **kwargs)
+        return call(self, *args, **kwargs)
 
     def quantizing(self) -> bool:
         """True when the next forward should save compressed tensors (training with grad)

@@ -202,8 +202,7 @@ class ACGCStrategy(PrecisionStrategy):
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
             self.own_widths(tl.module)
-            self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
-            self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
+            self._watch(model, tl.module, w.pre_hook, w.post_hook)
             weight = getattr(tl.module, "weight", None)
             if kind.modelled and isinstance(weight, nn.Parameter) and weight.requires_grad:
                 self._keep(weight.register_hook(EagerHook(w.weight_grad)))

@@ -378,9 +378,8 @@ class ActNNStrategy(PrecisionStrategy):
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
             self.own_widths(tl.module)
-            self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
-            if tl.pinned_bits is None:
-                self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
+            self._watch(model, tl.module, w.pre_hook,
+                        w.post_hook if tl.pinned_bits is None else None)
             self.watched.append(w)
         if self.watched:  # prepended: runs before a watched root layer's own pre-hook
             self._keep(model.register_forward_pre_hook(EagerHook(self.on_model_forward),

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
+from .._compile import EagerHook
 from .._torch_private import tensor_version
 
 if TYPE_CHECKING:
@@ -34,11 +34,59 @@ if TYPE_CHECKING:
     from ..nn._base import QModule
 
 __all__ = ["TrackedLayer", "PrecisionStrategy", "UniformStrategy", "PRECISION_ATTR",
-           "WIDTHS_ATTR", "ThreadWidths", "ThreadState", "set_sample_bits", "hand_derivative"]
+           "WIDTHS_ATTR", "WATCH_ATTR", "LayerWatch", "ThreadWidths", "ThreadState",
+           "set_sample_bits", "hand_derivative"]
 
 PRECISION_ATTR = "actnn_zoo_precision"
 # the Q-layer attribute holding a strategy's per-thread widths (QModule.bits_for reads it)
 WIDTHS_ATTR = "_az_thread_bits"
+# the Q-layer attribute holding a strategy's callbacks around its calls (QModule.__call__)
+WATCH_ATTR = "_az_watch"
+
+_nn_call = nn.Module.__call__
+
+
+class LayerWatch:
+    """A strategy's callbacks around one Q-layer's eager calls, run by the layer itself
+    (``QModule.__call__`` calls this object in place of ``nn.Module.__call__``): ``pre(module,
+    args)`` before the call, ``post(module, args, output)`` after it returned (not when it
+    raised), as a forward pre-hook and forward hook would.
+
+    Why not module hooks: a module with hooks takes ``nn.Module``'s slow call path, which with
+    the hooks' wrappers cost ~11 us a call in a model's step (measured on GPT-2's watched
+    layers), paid by every watched layer in every forward. The callbacks run around the whole
+    call, so the layer's own hooks (the user's) run inside: they see the input the strategy
+    saw, and the strategy sees the output they leave. While ``torch.compile`` traces the
+    layer, ``QModule.__call__`` does not call this (the strategies' work is host code, see
+    :class:`~actnn_zoo._compile.EagerHook`). A plain object with slots: ``copy.deepcopy`` and
+    pickle copy the callbacks' strategy state with the model, as they copy module hooks."""
+
+    __slots__ = ("pre", "post")
+
+    def __init__(self, pre: Any, post: Any = None) -> None:
+        self.pre = pre
+        self.post = post
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        self.pre(module, args)
+        out = _nn_call(module, *args, **kwargs)
+        if self.post is not None:
+            self.post(module, args, out)
+        return out
+
+
+class _WatchHandle:
+    """Removes a :class:`LayerWatch` from its layer (a hook handle's ``remove``), unless
+    something replaced it meanwhile."""
+
+    __slots__ = ("module", "watch")
+
+    def __init__(self, module: nn.Module, watch: LayerWatch) -> None:
+        self.module, self.watch = module, watch
+
+    def remove(self) -> None:
+        if self.module.__dict__.get(WATCH_ATTR) is self.watch:
+            del self.module.__dict__[WATCH_ATTR]
 
 
 class ThreadWidths(threading.local):
@@ -133,7 +181,7 @@ class PrecisionStrategy:
     def __init__(self, config: "QuantConfig") -> None:
         self.config = config
         self.layers: List[TrackedLayer] = []
-        self._handles: List[RemovableHandle] = []
+        self._handles: List[Any] = []  # each with remove(): hook handles, _WatchHandle
         self._new_thread_state()
 
     def _new_thread_state(self) -> None:
@@ -180,8 +228,22 @@ class PrecisionStrategy:
             tl.module.precision_stats = None
         self.layers = []
 
-    def _keep(self, handle: RemovableHandle) -> None:
+    def _keep(self, handle: Any) -> None:
         self._handles.append(handle)
+
+    def _watch(self, model: nn.Module, module: nn.Module, pre: Any, post: Any = None) -> None:
+        """Run ``pre(module, args)`` before and ``post(module, args, output)`` after each eager
+        call of the Q-layer ``module`` (:class:`LayerWatch`); removed by :meth:`detach`. The
+        root (``module is model``) gets them as forward hooks instead, so that the root's own
+        per-step hook, prepended, still runs before the layer's pre-callback."""
+        if module is model:
+            self._keep(module.register_forward_pre_hook(EagerHook(pre)))
+            if post is not None:
+                self._keep(module.register_forward_hook(EagerHook(post)))
+            return
+        watch = LayerWatch(pre, post)
+        module.__dict__[WATCH_ATTR] = watch
+        self._keep(_WatchHandle(module, watch))
 
     # Strategies that re-allocate count the model's training forwards in ``step`` and keep
     # widths computed on the device in ``_pending`` (the arguments of ``_apply``) until the

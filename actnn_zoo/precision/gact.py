@@ -443,8 +443,7 @@ class GACTStrategy(PrecisionStrategy):
             if w.kind is not None:
                 tl.module.precision_stats = w.stats
             # every Q-layer is seeded during a probe (dropout too: same masks in every pass)
-            self._keep(tl.module.register_forward_pre_hook(EagerHook(w.pre_hook)))
-            self._keep(tl.module.register_forward_hook(EagerHook(w.post_hook)))
+            self._watch(model, tl.module, w.pre_hook, w.post_hook)
             self.layers_.append(w)
         if any(w.kind is not None for w in self.layers_):
             self._keep(model.register_forward_pre_hook(EagerHook(self.on_model_forward),
