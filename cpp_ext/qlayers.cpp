@@ -516,6 +516,35 @@ at::Tensor activation_forward(const at::Tensor& x, const std::string& op, double
   return at::Tensor();
 }
 
+// f'(x) as functional/activation.py's activation_derivative makes it (x: the output for
+// sigmoid and tanh), in one call instead of its Python (the unit gradient made, the backward
+// operator reached through torch.ops, ~20-30 us a call in a model's step): torch's own backward
+// kernel over a unit gradient, in float32 (float64 stays), no graph. The exact GELU on the CPU
+// takes a dense unit gradient that the result overwrites, the others a stride-0 one, as there
+// (torch's kernels may differ in the last bit by layout), so the values are the same.
+at::Tensor activation_derivative(const at::Tensor& x, const std::string& op, double a, double b,
+                                 const std::string& approximate) {
+  RECORD_USER_SCOPE("actnn_zoo::activation_derivative");
+  const at::NoGradGuard no_grad;  // f'(x) is never differentiated
+  const at::Tensor t = x.scalar_type() == at::kDouble ? x : x.to(at::kFloat);
+  if (op == "gelu" && approximate == "none" && t.device().is_cpu()) {
+    at::Tensor d = at::ones_like(t);
+    return at::gelu_backward_out(d, d, t, "none");
+  }
+  const at::Tensor one = at::ones({}, t.options()).expand(t.sizes());
+  if (op == "sigmoid") return at::sigmoid_backward(one, t);
+  if (op == "tanh") return at::tanh_backward(one, t);
+  if (op == "gelu") return at::gelu_backward(one, t, approximate);
+  if (op == "silu") return at::silu_backward(one, t);
+  if (op == "elu") return at::elu_backward(one, a, 1, 1, false, t);
+  if (op == "softplus") return at::softplus_backward(one, t, a, b);
+  if (op == "hardswish") return at::hardswish_backward(one, t);
+  if (op == "hardsigmoid") return at::hardsigmoid_backward(one, t);
+  if (op == "mish") return at::mish_backward(one, t);
+  TORCH_CHECK_VALUE(false, "activation_derivative: unknown activation ", op);
+  return at::Tensor();
+}
+
 struct QDerivativeFunction : public torch::autograd::Function<QDerivativeFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& op,
                             double a, double b, const std::string& approximate,
@@ -823,6 +852,11 @@ void register_qlayers(pybind11::module_& m) {
         "value), reshaped to out_shape, whose backward decodes q, k [and v] from their codes "
         "(six entries each: data, lo, step, row_bits, offsets, mask; one width per payload, 0 "
         "for per-sample widths or sparse codes) and runs attention_whole_backward.");
+  m.def("activation_derivative", &activation_derivative, py::arg("x"), py::arg("op"),
+        py::arg("a"), py::arg("b"), py::arg("approximate"),
+        "f'(x) of a smooth activation (x: the output for sigmoid and tanh) by torch's backward "
+        "kernel over a unit gradient, float32 (float64 stays), without a graph: "
+        "functional/activation.py's activation_derivative in one call.");
   m.def("qderivative", &qderivative, py::arg("x"), py::arg("op"), py::arg("a"), py::arg("b"),
         py::arg("approximate"), py::arg("data"), py::arg("lo"), py::arg("step"),
         py::arg("row_bits") = py::none(), py::arg("offsets") = py::none(), py::arg("bits"),

@@ -12,7 +12,11 @@ from torch import nn
 
 import actnn_zoo.nn as qnn
 from actnn_zoo.config import LayerQConfig
-from actnn_zoo.functional.activation import activation_derivative
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actnn_zoo.functional.activation import (_DERIVATIVE as _C_DERIVATIVE,
+                                             _derivative_torch, activation_derivative)
 from actnn_zoo.functional._rounding_variance import VARIANCE_STRIDE, variance_nbytes
 from actnn_zoo.nn import QModule
 
@@ -208,6 +212,50 @@ def test_analytic_derivative_matches_autograd(name):
     (exact,) = torch.autograd.grad(y.sum(), leaf)
     d = activation_derivative(op, x, y.detach(), params)
     assert_identical(d, exact)  # torch's own backward kernel, unit gradient
+
+
+_ALL_DERIV = {**{k: v[:2] for k, v in DERIV_SPECS.items()}, "hardswish": ("hardswish", ()),
+              "hardsigmoid": ("hardsigmoid", ()), "mish": ("mish", ()),
+              "elu_int_alpha": ("elu", (1,))}
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(_ALL_DERIV)),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       layout=st.sampled_from(["contiguous", "channels_last", "sliced", "transposed"]),
+       shape=st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 6),
+                       st.integers(1, 7)),
+       seed=st.integers(0, 2 ** 16))
+def test_compiled_derivative_equals_the_torch_ops(name, dtype, layout, shape, seed):
+    """``_C.activation_derivative`` (the CPU path of activation_derivative) gives f'(x) bit
+    for bit as the torch ops do, in their dtype and memory layout, for every smooth
+    activation, input dtype and layout; it builds no graph."""
+    if _C_DERIVATIVE is None:
+        pytest.skip("the extension has no activation_derivative")
+    op, params = _ALL_DERIV[name]
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 5).to(dtype)
+    x.view(-1)[0] = 0.0  # the kink of the piecewise ones
+    x = {"contiguous": x, "channels_last": x.contiguous(memory_format=torch.channels_last),
+         "sliced": x[:, :, 1:] if shape[2] > 1 else x, "transposed": x.transpose(1, 3)}[layout]
+    x = x.detach().requires_grad_()  # a forward's input (same strides): no graph from it
+    src = torch.sigmoid(x) if op == "sigmoid" else torch.tanh(x) if op == "tanh" else x
+    want = _derivative_torch(op, src.detach(), params)
+    got = activation_derivative(op, x, src, params)
+    assert got.grad_fn is None and not got.requires_grad
+    assert got.dtype == want.dtype == (torch.float64 if dtype == torch.float64
+                                       else torch.float32)
+    assert got.stride() == want.stride()
+    assert_identical(got, want)
+
+
+def test_compiled_derivative_rejects_an_unknown_activation():
+    if _C_DERIVATIVE is None:
+        pytest.skip("the extension has no activation_derivative")
+    with pytest.raises(ValueError, match="unknown activation swish"):
+        _C_DERIVATIVE(torch.randn(3), "swish", 0.0, 0.0, "none")
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        activation_derivative("swish", torch.randn(3))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -336,10 +336,22 @@ def activation_derivative(op: str, x: Tensor, y: Optional[Tensor] = None,
     Computed by torch's own public backward kernel applied to a unit gradient (a stride-0
     expanded 1, so no extra memory; for the exact GELU on the CPU a dense one the result
     overwrites), hence exactly torch's derivative, in one fused pass.
-    ``y`` (the output) is used where torch's backward uses it (sigmoid, tanh).
+    ``y`` (the output) is used where torch's backward uses it (sigmoid, tanh). On the CPU
+    the extension makes it in one call (``_C.activation_derivative``, the same kernels on the
+    same unit gradients, so the same values; ``tests/test_layers_activation.py``).
     """
+    src = y if op in ("sigmoid", "tanh") else x
+    if (_DERIVATIVE is not None and type(src) is Tensor and src.device.type == "cpu"
+            and op in _DERIV_OPS):
+        a, b, approximate = _node_params(op, params)
+        return _DERIVATIVE(src, op, a, b, approximate)
+    return _derivative_torch(op, src, params)
+
+
+def _derivative_torch(op: str, src: Tensor, params: Tuple) -> Tensor:
+    """:func:`activation_derivative` in torch ops (other devices, no extension)."""
     aten = torch.ops.aten
-    t = _opmath(y if op in ("sigmoid", "tanh") else x)
+    t = _opmath(src)
     if op == "gelu" and params[0] == "none" and t.device.type == "cpu":
         # torch's CPU kernel of the exact GELU's backward runs slower on a stride-0 gradient
         # than on a dense one (1.2-3x by shape: 4M values 5.3-11.6 ms against 3.9-4.2; the
@@ -513,8 +525,10 @@ def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConf
 
 
 # The compiled autograd node of the smooth activations that do not read their output in
-# backward (cpp_ext/qlayers.cpp), None without the extension or in an older build.
+# backward (cpp_ext/qlayers.cpp), None without the extension or in an older build; and the
+# compiled f'(x) (activation_derivative's CPU path).
 _QDERIVATIVE = getattr(extension(), "qderivative", None)
+_DERIVATIVE = getattr(extension(), "activation_derivative", None)
 _NODE_OPS = frozenset({"gelu", "silu", "elu", "softplus", "hardswish", "hardsigmoid", "mish"})
 
 
