@@ -380,6 +380,24 @@ def test_activation_node_with_the_strategys_derivative_and_capture(monkeypatch):
     assert "DerivativeActivationFunctionBackward" in results[1][0]
 
 
+def test_activation_node_under_capture_at_one_width(monkeypatch):
+    """Inside a capture session at one width the node quantizes f'(x) directly, past the
+    store (``_saving.compress_fresh``: a tensor just made, which no other save can share),
+    with the stream's seed in the Function's order: gradients, buffers and the capture
+    report equal the Python Function's, which goes through the store."""
+    from actnn_zoo.functional import activation as fact
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 32),
+                          nn.GELU(approximate="tanh"), nn.Linear(32, 8), nn.SiLU())
+    x = torch.randn(8, 16)
+    results = _train_both(model, x, fact, "_QDERIVATIVE", 3, monkeypatch, bits=2,
+                          strategy="uniform")
+    assert "QDerivativeFunction" in results[0][0]
+    assert "DerivativeActivationFunctionBackward" not in results[0][0]
+    assert "DerivativeActivationFunctionBackward" in results[1][0]
+
+
 def test_activation_node_other_cases_and_double_backward(monkeypatch):
     from actnn_zoo.functional import activation as fact
 

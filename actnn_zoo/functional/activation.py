@@ -28,9 +28,9 @@ from ..quant.backend import extension
 from ..quant.api import masked_grad
 from ..quant.tensor import CompressedPayload
 from . import _saving
-from ._saving import (compress, compress_produced, dequantize_rows, from_memory_order, load,
-                      load_codes, memory_perm, produce_bounds, restore, sample_chunks, save,
-                      save_codes, to_memory_order)
+from ._saving import (compress, compress_fresh, compress_produced, dequantize_rows,
+                      from_memory_order, load, load_codes, memory_perm, produce_bounds, restore,
+                      sample_chunks, save, save_codes, to_memory_order)
 from .linear import _CUDA_NODES, node_codes
 
 OptBits = Optional[Bits]
@@ -514,7 +514,7 @@ def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConf
         # no graph, as inside a Function), compressed in float32
         deriv = (activation_derivative(op, x.detach(), None, params) if derivative is None
                  else derivative)
-        q = compress(deriv.to(torch.float32), qconfig, bits, maps=None)
+        q = compress_fresh(deriv.to(torch.float32), qconfig, bits, maps=None)
         del deriv
         codes = node_codes(q)
         if codes is not None:
