@@ -338,11 +338,12 @@ def activation_derivative(op: str, x: Tensor, y: Optional[Tensor] = None,
     overwrites), hence exactly torch's derivative, in one fused pass.
     ``y`` (the output) is used where torch's backward uses it (sigmoid, tanh). On the CPU
     the extension makes it in one call (``_C.activation_derivative``, the same kernels on the
-    same unit gradients, so the same values; ``tests/test_layers_activation.py``).
+    same unit gradients, so the same values; ``tests/test_layers_activation.py``), except
+    while ``torch.compile`` traces (a graph takes the torch ops, not an opaque call).
     """
     src = y if op in ("sigmoid", "tanh") else x
     if (_DERIVATIVE is not None and type(src) is Tensor and src.device.type == "cpu"
-            and op in _DERIV_OPS):
+            and op in _DERIV_OPS and not torch.compiler.is_compiling()):  # (a traced form: ops)
         a, b, approximate = _node_params(op, params)
         return _DERIVATIVE(src, op, a, b, approximate)
     return _derivative_torch(op, src, params)

@@ -2,7 +2,8 @@
 
 A strategy is attached to one converted model by :func:`actnn_zoo.convert_model` (kept as
 ``model.actnn_zoo_precision``) and detached by ``restore_model`` or a re-conversion. It may
-register hooks on the model and its Q-layers, keeps all its state on itself and on the layers
+register hooks on the model and callbacks around its Q-layers' calls (:meth:`_watch`,
+:class:`LayerWatch`), keeps all its state on itself and on the layers
 (``module.precision_stats``), and acts only by setting ``module.sample_bits`` (the per-sample
 widths the layer's next training forward passes to its Function) or, for one width per layer
 (gact), the layer's ``qconfig.bits``, which it restores when detached. Layers and Functions do not
@@ -172,8 +173,8 @@ class PrecisionStrategy:
     """Base class: chooses the widths of a model's Q-layers.
 
     Subclasses set ``name`` (the ``strategy:`` value in a config) and override
-    :meth:`attach`; hooks they register go through :meth:`_keep` so :meth:`detach` removes
-    them. ``config.bits`` is a width for 'uniform' and an average budget for the others.
+    :meth:`attach`; hooks they register go through :meth:`_keep`, callbacks around a layer's
+    calls through :meth:`_watch`, so that :meth:`detach` removes them. ``config.bits`` is a width for 'uniform' and an average budget for the others.
     """
 
     name: ClassVar[str] = ""
