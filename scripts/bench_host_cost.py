@@ -5,7 +5,8 @@ and per Q-module, at tensors so small that the arithmetic is negligible.
 On a GPU the kernels run asynchronously and a step is as fast as its host side once the host
 falls behind; on the CPU with tiny tensors the step is almost all host work, so its time here
 is the host cost a GPU step would pay. Every mode of a model is timed in one process, round
-robin (a machine that gets busier shifts every mode alike), on one torch thread with this
+robin (a machine that gets busier shifts every mode alike; every other round in reverse order,
+so that no mode always runs after the same one), on one torch thread with this
 thread's CPU time as the clock; the median step per mode is reported with its ratio to fp32's
 and the extra microseconds per Q-module over fp32.
 

@@ -257,7 +257,8 @@ def test_discarded_branches_not_counted():
 
 def test_interleaved_step_times_use_the_given_clock_round_robin():
     """The clock is read around each step (a fake clock ticking once per read makes every step
-    take 1), and the modes alternate in rounds rather than running one after the other."""
+    take 1), and the modes alternate in rounds rather than running one after the other, every
+    other round in reverse order (no mode always follows the same one)."""
     from actnn_zoo.bench import interleaved_step_times
 
     reads, order = [0], []
@@ -266,10 +267,11 @@ def test_interleaved_step_times_use_the_given_clock_round_robin():
         reads[0] += 1
         return float(reads[0])
 
-    steps = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
-    times = interleaved_step_times(steps, n=4, warmup=1, rounds=2, clock=clock)
-    assert times == {"a": [1.0] * 4, "b": [1.0] * 4}
-    assert order == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["a"] * 2 + ["b"] * 2
+    steps = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    times = interleaved_step_times(steps, n=6, warmup=1, rounds=3, clock=clock)
+    assert times == {"a": [1.0] * 6, "b": [1.0] * 6, "c": [1.0] * 6}
+    assert order == (["a", "b", "c"] + ["a"] * 2 + ["b"] * 2 + ["c"] * 2
+                     + ["c"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2 + ["c"] * 2)
 
 
 def test_max_batch_cli_floor_mode_and_unknown_modes(monkeypatch, capsys):

@@ -147,6 +147,11 @@ def interleaved_step_times(steps: Dict[str, Callable[[], Any]], n: int = 30, war
 
     The modes are timed round-robin in ``rounds`` chunks, so a machine that gets busier or
     quieter during the measurement shifts every mode alike and the ratios stay meaningful.
+    Every other round runs them in reverse order, so that no mode always follows the same one:
+    a mode's first steps pay for the caches the one before it left (on GPT-2's 1-thread step a
+    conversion timed right after the plain model averaged ~0.9 ms more over 6-step chunks than
+    after another conversion; per-step medians, as ``scripts/bench_host_cost.py`` takes them,
+    moved less than this machine's run-to-run spread).
     ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU time,
     which other processes on a shared machine do not inflate (meaningful with one torch
     thread on the CPU, where the stepping thread does all the work).
@@ -156,8 +161,9 @@ def interleaved_step_times(steps: Dict[str, Callable[[], Any]], n: int = 30, war
         run_steps(step, warmup, dev)
     times: Dict[str, List[float]] = {name: [] for name in steps}
     per_round = max(1, n // max(1, rounds))
-    for _ in range(max(1, rounds)):
-        for name, step in steps.items():
+    order = list(steps.items())
+    for r in range(max(1, rounds)):
+        for name, step in order if r % 2 == 0 else reversed(order):
             times[name] += run_steps(step, per_round, dev, clock)
     return times
 
