@@ -54,8 +54,9 @@ class LayerWatch:
     raised), as a forward pre-hook and forward hook would.
 
     Why not module hooks: a module with hooks takes ``nn.Module``'s slow call path, which with
-    the hooks' wrappers cost ~11 us a call in a model's step (measured on GPT-2's watched
-    layers), paid by every watched layer in every forward. The callbacks run around the whole
+    the hooks' wrappers cost 4.5-7 us a call (a linear, conv or batch norm in a chain of 24,
+    the same layers with hooks against with this, in one process), paid by every watched
+    layer in every forward. The callbacks run around the whole
     call, so the layer's own hooks (the user's) run inside: they see the input the strategy
     saw, and the strategy sees the output they leave. While ``torch.compile`` traces the
     layer, ``QModule.__call__`` does not call this (the strategies' work is host code, see
