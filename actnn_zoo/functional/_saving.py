@@ -40,22 +40,22 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None, *,
     far coarser than float32's rounding (``functional.linear.check_compressible`` says why
     float64 is compressed at all). The store keys on the float64 tensor, so sharing still works.
     """
-    b = qconfig.bits if bits is None else bits
-    fn, kind = quantizer_for(x, qconfig, maps)
     session = active_session()
-    if session is not None:
-        return session.store.compress(x, b, qconfig.group_size, qconfig.rounding,
-                                      quantize_fn=fn, kind=kind)
-    return fn(x, b, qconfig.group_size, rounding=qconfig.rounding)
+    if session is None:
+        return compress_fresh(x, qconfig, bits, maps=maps)
+    fn, kind = quantizer_for(x, qconfig, maps)
+    return session.store.compress(x, qconfig.bits if bits is None else bits,
+                                  qconfig.group_size, qconfig.rounding, quantize_fn=fn,
+                                  kind=kind)
 
 
 def compress_fresh(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None, *,
                    maps: Optional[bool] = None) -> Payload:
-    """:func:`compress` of a tensor the caller has just made and that nothing else holds (an
-    activation's f'(x)): inside a capture session the store's compress-once lookup could never
-    answer it, so it is quantized directly, skipping the store's key, cache entry and eviction
-    (~10 us a call). The seed comes from the session's stream in the same order, so the codes
-    are those :func:`compress` would make."""
+    """:func:`compress` without the capture store: what it does outside a session, and inside
+    one for a tensor the caller has just made and that nothing else holds (an activation's
+    f'(x)), which the store's compress-once lookup could never answer; skipping its key, cache
+    entry and eviction saves ~10 us a call. The seed comes from the session's stream in the
+    same order, so the codes are those :func:`compress` would make."""
     fn, _ = quantizer_for(x, qconfig, maps)
     return fn(x, qconfig.bits if bits is None else bits, qconfig.group_size,
               rounding=qconfig.rounding)
