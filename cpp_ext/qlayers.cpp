@@ -18,9 +18,11 @@
 // The codes (dropout: the noise and its keep bits; an activation: those of f'(x)) are made in
 // Python, where the capture store may answer from its cache, and saved here (with the weight)
 // through ctx->save_for_backward: saved-tensor hooks see them as they see the Python
-// Functions' saves, and the weight keeps autograd's in-place check.
+// Functions' saves, and the weight keeps autograd's in-place check -- except the capture
+// store's own hooks when they are innermost (OwnSaves below).
 #include "kernels.h"
 
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -802,51 +804,101 @@ at::Tensor qattention(const at::Tensor& query, const at::Tensor& key, const at::
                                    threshold, s1, s2, drop_scale, codes, bits, group_size);
 }
 
+// A node's saves skip the capture store's saved-tensor hooks when those are innermost.
+//
+// Why: the store's pack hook passes a Q-layer's own saves (its codes, its weight) through
+// unchanged, and its unpack hook gives them back; each is still one C++ -> Python call (a
+// converted GPT-2 saves ~570 tensors a step, a ResNet-50 ~880). `own` is the pack hook
+// object the store pushed (None: run the hooks); the hooks are skipped only when that very
+// object is on top of the stack, so a user's hooks or a checkpoint's entered inside the
+// forward (on top then) still see every save. Skipping is torch's own switch for deferring
+// the default hooks (SavedTensorDefaultHooks::set_tracing, what dynamo sets while it traces),
+// set for this call only: the saves are then plain saved variables, as without capture.
+class OwnSaves {
+ public:
+  explicit OwnSaves(PyObject* own) {
+    if (own == nullptr || own == Py_None) return;
+    const auto& tls = at::SavedTensorDefaultHooks::get_tls_state();
+    if (tls.is_tracing || tls.disabled_error_message.has_value() || tls.stack.empty()) return;
+    const c10::SafePyObject& pack = tls.stack.top().first;
+    if (pack.ptr(&pack.pyinterpreter()) != own) return;
+    previous_ = at::SavedTensorDefaultHooks::set_tracing(true);
+    active_ = true;
+  }
+  ~OwnSaves() {
+    if (active_) at::SavedTensorDefaultHooks::set_tracing(previous_);
+  }
+  OwnSaves(const OwnSaves&) = delete;
+  OwnSaves& operator=(const OwnSaves&) = delete;
+
+ private:
+  bool active_ = false;
+  bool previous_ = false;
+};
+
+// `fn` with one more argument, own_saves (see OwnSaves), last.
+template <typename R, typename... A>
+auto with_own_saves(R (*fn)(A...)) {
+  return [fn](A... args, const pybind11::object& own_saves) -> R {
+    OwnSaves guard(own_saves.ptr());
+    return fn(args...);
+  };
+}
+
 }  // namespace
 
 void register_qlayers(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("qlinear", &qlinear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+  // every node takes own_saves last (see OwnSaves)
+  const auto own = py::arg("own_saves") = py::none();
+  m.def("qlinear", with_own_saves(&qlinear),
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("row_bits") = py::none(),
         py::arg("offsets") = py::none(), py::arg("mask") = py::none(), py::arg("bits"),
-        py::arg("group_size"),
+        py::arg("group_size"), own,
         "y = linear(x, weight, bias) whose backward decodes x from its codes for the weight "
         "gradient: data, lo, step (quantize of x at bits and group_size), with row_bits and "
         "offsets for per-sample widths, and mask too for sparse codes (quantize_sparse, CPU); "
         "the input and bias gradients are exact.");
-  m.def("qconv", &qconv, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+  m.def("qconv", with_own_saves(&qconv),
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("row_bits") = py::none(),
         py::arg("offsets") = py::none(), py::arg("mask") = py::none(), py::arg("bits"),
-        py::arg("group_size"), py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
-        py::arg("large"),
+        py::arg("group_size"), py::arg("stride"), py::arg("padding"), py::arg("dilation"),
+        py::arg("groups"), py::arg("large"), own,
         "y = conv{1,2,3}d(x, weight, bias, stride, padding, dilation, groups) whose backward "
         "decodes x from its codes (as qlinear) for the weight gradient; `large`: the weight "
         "gradient first and the decoded input freed before the input gradient is made.");
-  m.def("qdropout", &qdropout, py::arg("x"), py::arg("noise"), py::arg("packed"),
-        py::arg("scale"),
+  m.def("qdropout", with_own_saves(&qdropout),
+        py::arg("x"), py::arg("noise"), py::arg("packed"),
+        py::arg("scale"), own,
         "out = x * noise (elementwise dropout's scaled noise) whose backward is grad * scale "
         "where `packed` (its keep bits) is set and grad * 0.0 elsewhere.");
-  m.def("qmask", &qmask, py::arg("x"), py::arg("packed"), py::arg("op"), py::arg("a"),
+  m.def("qmask", with_own_saves(&qmask),
+        py::arg("x"), py::arg("packed"), py::arg("op"), py::arg("a"),
         py::arg("b"), py::arg("inplace"), py::arg("off") = py::none(),
-        py::arg("filled") = py::none(),
+        py::arg("filled") = py::none(), own,
         "y = relu / leaky_relu(a) / hardtanh(a, b) of x (in place when asked) whose backward is "
         "grad where `packed` (pack_compare of the slope's predicate) is set and +0.0, or grad * "
         "off, elsewhere. filled: a 1-byte flag set (set_flag) once `packed` was written after "
         "the forward; backward raises while it is 0.");
   m.def("set_flag", &set_flag, py::arg("flag"),
         "Set a 1-byte uint8 flag to 1 through its pointer (no version counter change).");
-  m.def("qnorm", &qnorm, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("made"),
+  m.def("qnorm", with_own_saves(&qnorm),
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("made"),
         py::arg("kind"), py::arg("extra"), py::arg("bits"), py::arg("group_size"),
         py::arg("var_offset"), py::arg("var_stride"), py::arg("save_bias"), py::arg("layer"),
+        own,
         "CPU only: a norm's output as an autograd node. made = (out, data, lo, step, mean, "
         "stat[, var]) as batch/layer/group_norm_forward_codes returned them for x; kind 0 "
         "batch, 1 layer (extra: values per row), 2 group norm (extra: groups); backward is "
         "the matching *_backward_fused. save_bias: the bias is saved too (as layer norm's "
         "Python Function does); layer names the layer in the double-backward error.");
-  m.def("qattention", &qattention, py::arg("query"), py::arg("key"), py::arg("value"),
+  m.def("qattention", with_own_saves(&qattention),
+        py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out_shape"), py::arg("scale"),
         py::arg("causal"), py::arg("threshold"), py::arg("s1"), py::arg("s2"),
-        py::arg("drop_scale"), py::arg("codes"), py::arg("bits"), py::arg("group_size"),
+        py::arg("drop_scale"), py::arg("codes"), py::arg("bits"), py::arg("group_size"), own,
         "CPU only: scaled_dot_product_attention when one tile holds the call "
         "(attention_whole_forward of q, k, v: (N, rows, features) views of query, key and "
         "value), reshaped to out_shape, whose backward decodes q, k [and v] from their codes "
@@ -857,10 +909,11 @@ void register_qlayers(pybind11::module_& m) {
         "f'(x) of a smooth activation (x: the output for sigmoid and tanh) by torch's backward "
         "kernel over a unit gradient, float32 (float64 stays), without a graph: "
         "functional/activation.py's activation_derivative in one call.");
-  m.def("qderivative", &qderivative, py::arg("x"), py::arg("op"), py::arg("a"), py::arg("b"),
+  m.def("qderivative", with_own_saves(&qderivative),
+        py::arg("x"), py::arg("op"), py::arg("a"), py::arg("b"),
         py::arg("approximate"), py::arg("data"), py::arg("lo"), py::arg("step"),
         py::arg("row_bits") = py::none(), py::arg("offsets") = py::none(), py::arg("bits"),
-        py::arg("group_size"),
+        py::arg("group_size"), own,
         "y = op(x) (gelu with `approximate`, silu, elu(alpha=a), softplus(beta=a, "
         "threshold=b), hardswish, hardsigmoid, mish) whose backward is grad * f'(x) decoded "
         "from its codes (float32, x's shape; row_bits and offsets for per-sample widths), in "

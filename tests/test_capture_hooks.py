@@ -235,3 +235,91 @@ def test_save_on_cpu_offloads_compressed_activations_on_cuda():
     out.sum().backward()
     assert on_device > free_level + 8 * (4096 * 1024 // 4)  # 2-bit payloads of 16 maps
     assert offloaded <= free_level + (2 << 20), (free_level, on_device, offloaded)
+
+
+class _EveryNode(nn.Module):
+    """A Q-layer of every kind that runs as a compiled node (cpp_ext/qlayers.cpp) under
+    capture: conv, batch norm, ReLU (its mask, then a claim on the next conv's codes), linear,
+    layer norm, GELU, dropout, and attention (a routed call; q, k and v distinct tensors: a
+    node that saves one tensor twice has it counted twice in the hooks' path, which pops its
+    entry at the first save, and once where the hooks are skipped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1)
+        self.fc = nn.Linear(64, 96)
+        self.norm = nn.LayerNorm(96)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv2(self.relu(self.bn(self.conv(x)))).flatten(1)
+        q, k, v = self.drop(self.act(self.norm(self.fc(h)))).view(-1, 3, 2, 4, 4).unbind(1)
+        return self.head(F.scaled_dot_product_attention(q, k, v).flatten(1))
+
+
+def test_compiled_nodes_save_past_the_stores_own_hooks(monkeypatch):
+    """Where the store's hooks are innermost and would pass a compiled node's saves through
+    unchanged (no outer hooks, no observer), the node skips them (``keep_own``): none of those
+    tensors reaches the pack hook, and the gradients and the capture report are what the hooks'
+    path gives, bit for bit. With ``keep_own`` answering None (the hooks' path) every one of
+    them is packed, so the check can fail."""
+    from actnn_zoo.capture.store import CompressedStore
+
+    real_keep_own, real_pack = CompressedStore.keep_own, CompressedStore.pack
+    seen: dict = {}
+
+    def keep_own(self, *tensors, counted=True):
+        seen["own"] += tensors
+        return real_keep_own(self, *tensors, counted=counted)
+
+    def hooks_path(self, *tensors, counted=True):
+        seen["own"] += tensors
+        self.keep(*tensors, counted=counted)
+        return None
+
+    def pack(self, t):
+        seen["packed"].append(t)
+        return real_pack(self, t)
+
+    monkeypatch.setattr(CompressedStore, "pack", pack)
+    torch.manual_seed(0)
+    model = _EveryNode()
+    x = torch.randn(4, 3, 4, 4)
+    runs = {}
+    for name, fn in (("skipped", keep_own), ("hooks", hooks_path)):
+        monkeypatch.setattr(CompressedStore, "keep_own", fn)
+        q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
+        grads = []
+        for step in range(2):  # the ReLU claims the next conv's codes from the second step
+            seen["own"], seen["packed"] = (), []
+            grads.append(_grads(q, x, seed=step))
+        packed = {id(t) for t in seen["packed"]}
+        runs[name] = (grads, str(az.capture_report(q)),
+                      sum(id(t) in packed for t in seen["own"]), len(seen["own"]))
+    (g_skip, report_skip, n_packed_skip, n_own), (g_hooks, report_hooks, n_packed_hooks, _) = \
+        runs["skipped"], runs["hooks"]
+    assert n_own >= 25, n_own  # every node kind saved something
+    assert n_packed_skip == 0
+    assert n_packed_hooks == n_own
+    assert report_skip == report_hooks
+    assert "routed: scaled_dot_product_attention x1" in report_skip
+    for a, b in zip(sum(g_skip, []), sum(g_hooks, [])):
+        assert torch.equal(a, b)
+
+
+def test_a_compiled_nodes_saved_weight_keeps_the_in_place_check_under_capture():
+    """Saved as a plain saved variable (above), a Q-layer's weight keeps autograd's version
+    check inside a converted model, as in plain PyTorch: a weight changed in place between
+    forward and backward raises instead of giving a gradient computed with the new weight."""
+    q = az.convert_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), bits=2,
+                         strategy="uniform")
+    out = q(torch.randn(4, 8)).sum()
+    with torch.no_grad():
+        q[1].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import actnn_zoo as az
 import actnn_zoo.quant.seeds as seeds_mod
 from actnn_zoo.quant import dequantize, quantize
+from actnn_zoo.quant.hash32 import fmix32_int
 from actnn_zoo.quant.seeds import draw_seed, seed_stream
 
 
@@ -72,6 +75,15 @@ def test_stream_seeds_are_distinct_reproducible_and_one_read():
     with seed_stream():  # a new stream: new seeds
         assert draw_seed() not in seeds[:1]
     assert isinstance(draw_seed(), int)  # outside a stream: the generator
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2 ** 31 - 2), st.integers(1, 2 ** 40))
+def test_the_compiled_stream_mix_is_the_python_one(key, k):
+    """``_C.stream_seed`` (SeedStream.next's mix in one call) equals the Python form the
+    stream falls back to, on the low 32 bits of the counter too."""
+    assert seeds_mod._MIX is not None
+    assert seeds_mod._MIX(key, k) == fmix32_int(key ^ fmix32_int(k)) & 0x7FFFFFFF
 
 
 def test_stream_rounding_stays_unbiased():

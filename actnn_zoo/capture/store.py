@@ -64,6 +64,7 @@ _HOOK_FILES = (__file__, _compile.__file__)
 
 _STRIDED, _BOOL = torch.strided, torch.bool
 _KEPT_REASON = "saved by a zoo Function"  # CaptureStats.passed's reason for keep()'s tensors
+_NOTHING: Dict[int, Tensor] = {}  # keep_own's _saving: never written (pack tests it is empty)
 
 
 @dataclass
@@ -441,9 +442,40 @@ class CompressedStore:
         dict lookup (:meth:`pack`): a converted ResNet-50 saves ~800 of them per step.
         ``counted=False``: bytes counted elsewhere (a claiming ReLU's mask buffer, which the
         consumer's sparse codes hold and count)."""
+        if counted:
+            self._count_kept(tensors)
+        # the saves that follow at once (ctx.save_for_backward): known by identity, so their
+        # pack is one dict lookup (see pack). Held until the next keep(), so that an id freed
+        # meanwhile (a Function that built no graph packs nothing) cannot be reused and match.
+        self._saving = {id(t): t for t in tensors}
+        # whether pack may pass them through at its first test: no outer hooks to box them for
+        # and no observer (neither changes between here and the saves that follow)
+        self._plain = not self.boxing and current_observer() is None
+        self._group = None
+
+    @_eager
+    def keep_own(self, *tensors: Tensor, counted: bool = True) -> Any:
+        """:meth:`keep` for a compiled node's saves (``cpp_ext/qlayers.cpp``): the node's
+        ``own_saves`` argument. Where :meth:`pack` would pass them through at its first test
+        (no outer hooks, no observer), that is this store's pack hook, which the node then
+        skips while it is innermost, saving them as plain saved variables (no pack or unpack
+        call: ~1 us each); else None, and the saves take :meth:`keep`'s path."""
+        if not self.boxing and current_observer() is None:
+            if counted:
+                self._count_kept(tensors)
+            self._saving = _NOTHING  # pack never sees these (a save elsewhere finds _kept)
+            self._plain = True
+            self._group = None
+            return self.hooks.pack_hook if self.hooks is not None else None
+        self.keep(*tensors, counted=counted)
+        return None
+
+    def _count_kept(self, tensors: Sequence[Tensor]) -> None:
+        """Count :meth:`keep`'s tensors in ``CaptureStats.passed``, and list the large float
+        and bool ones among the tensors tier 3 passes through (``_kept``)."""
         kept, small = self._kept, self.min_numel
         n_small = b_small = n_big = b_big = 0  # tensors and bytes below min_numel / the others
-        for t in tensors if counted else ():
+        for t in tensors:
             if t.numel() < small:
                 n_small += 1
                 b_small += t.nbytes
@@ -467,14 +499,6 @@ class CompressedStore:
                 entry = passed[_KEPT_REASON] = [0, 0]
             entry[0] += n_big
             entry[1] += b_big
-        # the saves that follow at once (ctx.save_for_backward): known by identity, so their
-        # pack is one dict lookup (see pack). Held until the next keep(), so that an id freed
-        # meanwhile (a Function that built no graph packs nothing) cannot be reused and match.
-        self._saving = {id(t): t for t in tensors}
-        # whether pack may pass them through at its first test: no outer hooks to box them for
-        # and no observer (neither changes between here and the saves that follow)
-        self._plain = not self.boxing and current_observer() is None
-        self._group = None
 
     def saves_pass_through(self) -> bool:
         """Whether a save :meth:`keep` was told of reaches autograd as the tensor itself: no

@@ -129,6 +129,16 @@ def save(ctx, *items: Saved) -> None:
     ctx.save_for_backward(*tensors)
 
 
+def keep_saved(*tensors: Tensor, counted: bool = True) -> object:
+    """A compiled node's ``own_saves`` argument (``cpp_ext/qlayers.cpp``) for the tensors it is
+    about to save: inside a capture session the store is told that they are saved on purpose
+    (tier 3 passes them through, as for :func:`save`), and answers with its pack hook where
+    the node may skip its hooks for them (:meth:`~actnn_zoo.capture.store.CompressedStore.
+    keep_own`); None outside a session or where the hooks must run."""
+    session = active_session()
+    return None if session is None else session.store.keep_own(*tensors, counted=counted)
+
+
 def load(ctx) -> List[Saved]:
     """The items given to :func:`save`, in order (QuantizedTensors rebuilt, not decompressed)."""
     tensors = ctx.saved_tensors

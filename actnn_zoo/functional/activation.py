@@ -29,8 +29,8 @@ from ..quant.api import masked_grad
 from ..quant.tensor import CompressedPayload
 from . import _saving
 from ._saving import (compress, compress_fresh, compress_produced, dequantize_rows,
-                      from_memory_order, load, load_codes, memory_perm, produce_bounds, restore,
-                      sample_chunks, save, save_codes, to_memory_order)
+                      from_memory_order, keep_saved, load, load_codes, memory_perm,
+                      produce_bounds, restore, sample_chunks, save, save_codes, to_memory_order)
 from .linear import _CUDA_NODES, node_codes
 
 OptBits = Optional[Bits]
@@ -204,10 +204,8 @@ def _mask_node(x: Tensor, op: str, a: float, b: float, inplace: bool) -> Optiona
         return None
     kind, lo, hi, other = _predicate(op, a, b, x.dtype)
     packed = pack_compare(x, kind, lo, hi)
-    session = active_session()
-    if session is not None:
-        session.store.keep(packed)
-    return _QMASK(x, packed, op, a, b, inplace, None if other == 0.0 else other)
+    return _QMASK(x, packed, op, a, b, inplace, None if other == 0.0 else other, None,
+                  keep_saved(packed))
 
 
 _MASK_NODE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -263,8 +261,9 @@ def _claim_node(x: Tensor, inplace: bool, slot: ZeroCodeSlot, store) -> Optional
     if slot.enabled and innermost:  # the consumer's sparse codes will hold the mask
         buffer = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
         filled = torch.zeros(1, dtype=torch.uint8)
-        store.keep(buffer, filled, counted=False)  # the consumer's payload counts the mask
-        out = _QMASK(x, buffer, "relu", 0.0, 0.0, inplace, None, filled)
+        # (the consumer's payload counts the mask)
+        own = store.keep_own(buffer, filled, counted=False)
+        out = _QMASK(x, buffer, "relu", 0.0, 0.0, inplace, None, filled, own)
         store.claim(out, _HeldClaim(out, buffer, filled), slot)
         return out
     out = _mask_node(x, "relu", 0.0, 0.0, inplace)  # applies: the checks above include its own
@@ -517,10 +516,10 @@ def _deriv_apply(op: str, x: Tensor, params: Tuple, qconfig: Optional[LayerQConf
                  else derivative)
         q = compress_fresh(deriv.to(torch.float32), qconfig, bits, maps=None)
         del deriv
-        codes = node_codes(q)
-        if codes is not None:
+        made = node_codes(q)
+        if made is not None:
             a, b, approximate = _node_params(op, params)
-            return _QDERIVATIVE(x, op, a, b, approximate, *codes)
+            return _QDERIVATIVE(x, op, a, b, approximate, *made[0], made[1])
         derivative = None  # (a payload the node does not decode: never with this qconfig)
     return DerivativeActivationFunction.apply(x, op, params, qconfig, bits, inplace, derivative)
 

@@ -109,14 +109,13 @@ from torch import Tensor
 
 from .._torch_private import tensor_version
 from ..config import LayerQConfig
-from .._session import active_session
 from ..quant import Bits
 from ..quant.api import draw_seed
 from ..quant.backend import extension, kernels
 from ..quant.hash32 import fmix32_int as _fmix32_int
 from ..quant.hash32 import fmix32_int32_ as _fmix32_  # int32, in place: ~4x int64's speed
 from ._autocast import no_autocast as _no_autocast
-from ._saving import compress, load, restore, save
+from ._saving import compress, keep_saved, load, restore, save
 from .activation import no_double_backward
 from .linear import cast, payload_codes
 
@@ -589,11 +588,9 @@ def _attention_node(plan: "_Plan", query: Tensor, key: Tensor, value: Tensor, p:
             codes += entries[:6]
             widths.append(entries[6])
             saved += [e for e in entries[:6] if e is not None]
-    session = active_session()
-    if session is not None:
-        session.store.keep(*saved)
     return _QATTENTION(query, key, value, q, k, v, (*plan.out_batch, plan.L, plan.Ev), scale,
-                       is_causal, *_drop_args(drop), codes, widths, qconfig.group_size)
+                       is_causal, *_drop_args(drop), codes, widths, qconfig.group_size,
+                       keep_saved(*saved))
 
 
 def _row_codes(rows: Tensor, t: Tensor, qconfig: LayerQConfig, width: int) -> tuple:

@@ -180,11 +180,12 @@ def conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec,
             and not isinstance(spec.padding, str)
             and compiled_node_applies(x, weight, bias, qconfig, bits)):
         q = compress(x, qconfig, bits, maps=True)
-        codes = node_codes(q, weight)
-        if codes is None:
+        made = node_codes(q, weight)
+        if made is None:
             return ConvFunction.apply(x, weight, bias, spec, qconfig, bits, q)
+        codes, own = made
         return _QCONV(x, weight, bias, *codes, list(spec.stride), list(spec.padding),
-                      list(spec.dilation), spec.groups, large_input(q))
+                      list(spec.dilation), spec.groups, large_input(q), own)
     return ConvFunction.apply(x, weight, bias, spec, qconfig, bits)
 
 

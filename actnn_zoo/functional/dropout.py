@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .._session import active_session
-from ._saving import load, save
+from ._saving import keep_saved, load, save
 from ..quant import ops, pack_compare
 from ..quant.api import dropout_scale
 from ..quant.backend import extension
@@ -139,10 +139,9 @@ def _dropout_node(x: Tensor, p: float) -> Tensor:
     noise.bernoulli_(1 - p)
     packed = pack_compare(noise, "gt", 0.0)  # the bits of noise != 0
     noise.div_(1 - p)
+    # what is saved is final (and counted as a Function's)
+    out = _QDROPOUT(x, noise, packed, dropout_scale(noise.dtype, p), keep_saved(packed))
     session = active_session()
-    if session is not None:
-        session.store.keep(packed)  # what is saved is final (and counted as a Function's)
-    out = _QDROPOUT(x, noise, packed, dropout_scale(noise.dtype, p))
     if session is not None:  # as DropoutFunction: a later save of out may reuse x's payload
         session.store.derive(out, x, packed, p)
     return out

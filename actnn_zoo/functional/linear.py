@@ -21,15 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, SparseQuantizedTensor
 from ..quant.backend import extension
 from ..quant.division import Payload
 from ._autocast import no_autocast
 from . import _saving
-from ._saving import (compress, dequantize_rows, load, load_codes, restore, sample_chunks, save,
-                      save_codes)
+from ._saving import (compress, dequantize_rows, keep_saved, load, load_codes, restore,
+                      sample_chunks, save, save_codes)
 
 # The compiled autograd node of linear (cpp_ext/qlayers.cpp), None without the extension (the
 # reference backend) or in a build older than this file; on CUDA only in a build with CUDA.
@@ -146,10 +145,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], qconfig: LayerQCon
     Both save the same codes and give the same gradients."""
     if _QLINEAR is not None and compiled_node_applies(x, weight, bias, qconfig, bits):
         q = compress(x, qconfig, bits, maps=False)
-        codes = node_codes(q, weight)
-        if codes is None:
+        made = node_codes(q, weight)
+        if made is None:
             return LinearFunction.apply(x, weight, bias, qconfig, bits, q)
-        return _QLINEAR(x, weight, bias, *codes)
+        codes, own = made
+        return _QLINEAR(x, weight, bias, *codes, own)
     return LinearFunction.apply(x, weight, bias, qconfig, bits)
 
 
@@ -169,23 +169,18 @@ def compiled_node_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor],
             and not torch.is_autocast_enabled(x.device.type))
 
 
-def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[tuple]:
+def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[Tuple[tuple, object]]:
     """``q`` as a compiled node takes it -- (data, lo, step, row_bits, offsets, mask, bits,
     group_size) for a layer's input, (data, lo, step, row_bits, offsets, bits, group_size)
-    without ``weight`` (an activation's f'(x), never sparse codes) -- or None for a payload it
-    does not decode (a rotation). Inside a capture session the store is told that the node
-    saves these tensors (and ``weight``) on purpose (tier 3 passes them through, as for a
-    Python Function's save)."""
+    without ``weight`` (an activation's f'(x), never sparse codes) -- and the node's
+    ``own_saves`` (:func:`~actnn_zoo.functional._saving.keep_saved` of these tensors and
+    ``weight``); or None for a payload it does not decode (a rotation)."""
     codes = payload_codes(q, sparse=weight is not None)
     if codes is None:
         return None
-    session = active_session()
-    if session is not None:
-        if weight is None:
-            session.store.keep(*q.tensors())
-        else:
-            session.store.keep(*q.tensors(), weight)
-    return codes if weight is not None else codes[:5] + codes[6:]
+    if weight is None:
+        return codes[:5] + codes[6:], keep_saved(*q.tensors())
+    return codes, keep_saved(*q.tensors(), weight)
 
 
 def payload_codes(q: Payload, sparse: bool = True) -> Optional[tuple]:

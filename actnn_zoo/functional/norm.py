@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._session import active_session
 from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, ops
 from ..quant.api import draw_seed
@@ -48,8 +47,8 @@ from ..quant.backend import extension
 from ..quant.norm_backward import (batch_norm_backward_codes, channels_last,
                                    group_norm_backward_codes, layer_norm_backward_codes,
                                    reads_codes)
-from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows, load,
-                      load_codes, restore, sample_chunks, save, save_codes)
+from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows,
+                      keep_saved, load, load_codes, restore, sample_chunks, save, save_codes)
 from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
 from ._autocast import no_autocast
 from .linear import cast, dtype_of, first_order_only, memory_format_of
@@ -265,12 +264,11 @@ def _norm_node(kind: int, call: Callable, x: Tensor, args: tuple, weight: Option
     (out, mean, stat, data, lo, step, var, offset), stride = _fused_call(
         call, x, args, qconfig, bits, m, x.requires_grad)
     made = [out, data, lo, step, mean, stat] + ([var] if var is not None else [])
-    session = active_session()
-    if session is not None:  # what the Function's save() tells the store, in its order
-        session.store.keep(*[t for t in (data, lo, step, mean, stat, weight,
-                                         bias if kind == 1 else None, var) if t is not None])
+    # what the Function's save() tells the store, in its order
+    own = keep_saved(*[t for t in (data, lo, step, mean, stat, weight,
+                                   bias if kind == 1 else None, var) if t is not None])
     return _QNORM(x, weight, bias, made, kind, extra, bits, qconfig.group_size, offset, stride,
-                  kind == 1, layer)
+                  kind == 1, layer, own)
 
 
 def batch_norm_train(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],

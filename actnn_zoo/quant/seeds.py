@@ -28,6 +28,8 @@ _STREAM: "contextvars.ContextVar[Optional[SeedStream]]" = contextvars.ContextVar
 # torch.randint(0, 2**31 - 1, (1,))'s value and generator step without the tensor
 # (cpp_ext/variance_cpu.cpp); None without the extension or in an older build
 _DRAW = getattr(extension(), "draw_seed", None)
+# SeedStream.next's mix in one call (cpp_ext/variance_cpu.cpp), None without the extension
+_MIX = getattr(extension(), "stream_seed", None)
 
 
 def _read_generator() -> int:
@@ -50,6 +52,8 @@ class SeedStream:
 
     def next(self) -> int:
         self.count += 1
+        if _MIX is not None:
+            return _MIX(self.key, self.count)
         return fmix32_int(self.key ^ fmix32_int(self.count)) & 0x7FFFFFFF
 
 
