@@ -31,10 +31,11 @@ from torch import Tensor
 
 from ._torch_private import tensor_version
 from .quant import pack_mask
+from .quant.backend import extension
 from .quant.tensor import SparseQuantizedTensor
 
 __all__ = ["active_session", "current_observer", "observing", "ClaimStore", "ZeroCodeSlot",
-           "ZeroCodeClaim", "save_probe", "dense_order", "storage_ptr"]
+           "ZeroCodeClaim", "hooks_top_is", "save_probe", "dense_order", "storage_ptr"]
 
 _ACTIVE: "contextvars.ContextVar[Optional[Any]]" = contextvars.ContextVar(
     "actnn_zoo_capture_session", default=None)
@@ -190,9 +191,18 @@ class ZeroCodeClaim:
         self.mask = (pack_mask(m), m.shape, perm)
 
 
+# Whether a given pack hook is this thread's innermost saved-tensor hook, read from autograd's
+# hook stack by the extension (cpp_ext/qlayers.cpp), nothing saved; None without the extension.
+# Only then does CompressedStore.hooks_innermost save a probe (save_probe), and a probed ReLU
+# outside a session (a checkpoint's recomputation) save one too, so that both count alike.
+hooks_top_is: Optional[Callable[[Any], bool]] = getattr(extension(), "saved_hooks_top_is",
+                                                        None)
+
+
 def save_probe(store: Optional[ClaimStore] = None) -> None:
     """One tiny op that saves one tensor (``sin`` saves its 2-element input); ``store``: the
-    store's own probe leaf, so that its pack hook can tell whether it saw it."""
+    store's own probe leaf, so that its pack hook can tell whether it saw it. Used where
+    :data:`hooks_top_is` is None."""
     probe = torch.zeros(2, requires_grad=True) if store is None else store.probe_leaf()
     if torch.is_grad_enabled():
         probe.sin()

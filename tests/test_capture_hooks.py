@@ -116,7 +116,7 @@ def test_retain_graph_reads_boxed_saves_twice():
     torch.manual_seed(1)
     with user.hooks():
         out = q(x).square().sum()
-    start = user.unpacked  # the session's probe (outer_hooks_present) read its one save
+    start = user.unpacked  # (without the extension outer_hooks_present reads one save)
     g1 = torch.autograd.grad(out, [x] + list(q.parameters()), retain_graph=True)
     first = user.unpacked - start
     g2 = torch.autograd.grad(out, [x] + list(q.parameters()))
@@ -176,7 +176,15 @@ def test_hooks_entered_inside_the_model_still_get_compressed_payloads():
     assert az.capture_report(q).routed == {"gelu": 1}
 
 
-def test_outer_hooks_present_asks_autograd():
+@pytest.mark.parametrize("ask", ["hook stack", "probe"])
+def test_outer_hooks_present_asks_autograd(ask, monkeypatch):
+    """From autograd's hook stack (the extension), or without it by a save whose version
+    check the hooks skip: the same answers."""
+    from actnn_zoo.capture import store
+
+    assert store._HOOKS_ACTIVE is not None
+    if ask == "probe":
+        monkeypatch.setattr(store, "_HOOKS_ACTIVE", None)
     assert not outer_hooks_present()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert outer_hooks_present()

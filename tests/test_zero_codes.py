@@ -169,13 +169,20 @@ def test_cnn_gradients_at_8_bits():
     assert sum(codes) >= 4, codes
 
 
-def test_checkpointed_segments_keep_masks(monkeypatch):
-    """Per-block checkpointing: inside a checkpoint the ReLUs keep their masks (the store's
-    probe sees that its hooks are not innermost), so the forward and the recomputation save
+@pytest.mark.parametrize("ask", ["hook stack", "probe"])
+def test_checkpointed_segments_keep_masks(ask, monkeypatch):
+    """Per-block checkpointing: inside a checkpoint the ReLUs keep their masks (the store sees
+    that its hooks are not innermost: from autograd's hook stack, or without the extension by
+    a probe save that the recomputation mirrors), so the forward and the recomputation save
     alike (no CheckpointError); the stem's ReLU, outside the checkpoints, keeps its mask too,
     since its only consumer runs inside one (its recomputation saves plain codes, so its
     forward must: the claim is declined). Gradients match fp32 as without checkpoints."""
+    from actnn_zoo import _session
     from actnn_zoo.capture.store import CompressedStore
+
+    assert _session.hooks_top_is is not None
+    if ask == "probe":
+        monkeypatch.setattr(_session, "hooks_top_is", None)
 
     claims = []
     orig = CompressedStore.claim
@@ -321,7 +328,12 @@ def test_routed_relu_shares_its_consumers_codes(inplace):
     assert sizes[False][ROOT] == mask and ROOT not in sizes[True]
 
 
-def test_routed_relu_inside_a_checkpoint_keeps_its_mask():
+@pytest.mark.parametrize("ask", ["hook stack", "probe"])
+def test_routed_relu_inside_a_checkpoint_keeps_its_mask(ask, monkeypatch):
+    from actnn_zoo import _session
+
+    if ask == "probe":
+        monkeypatch.setattr(_session, "hooks_top_is", None)
     torch.manual_seed(0)
     ref = FunctionalRelu(inplace=True, checkpointed=True)
     model = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform",

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _session
 from .._session import ZeroCodeClaim, ZeroCodeSlot, active_session, save_probe
 from .._torch_private import tensor_version
 from ..config import LayerQConfig
@@ -128,7 +129,7 @@ class MaskActivationFunction(torch.autograd.Function):
         if session is not None:
             innermost = session.store.hooks_innermost()
             slot.probed = True
-        elif slot is not None and slot.probed and op == "relu":
+        elif slot is not None and slot.probed and op == "relu" and _session.hooks_top_is is None:
             save_probe()  # what the session's probe saved: a checkpoint's recomputation
         if session is not None and slot.enabled and innermost:
             # the consumer's sparse codes will hold the mask (ZeroCodeSlot)
@@ -274,7 +275,8 @@ def _claim_node(x: Tensor, inplace: bool, slot: ZeroCodeSlot, store) -> Optional
 def relu(x: Tensor, inplace: bool = False, slot: Optional[ZeroCodeSlot] = None) -> Tensor:
     """ReLU saving a 1-bit mask for backward; with a module's ``slot``, nothing of its own
     where the next layer compresses the output (:class:`~actnn_zoo._session.ZeroCodeSlot`)."""
-    if slot is None or (not slot.probed and active_session() is None):
+    if slot is None or (active_session() is None
+                        and (not slot.probed or _session.hooks_top_is is not None)):
         out = _mask_node(x, "relu", 0.0, 0.0, inplace)  # no claim, no probe to mirror
         if out is not None:
             return out
