@@ -25,6 +25,7 @@ cpu_sources += ["cpp_ext/norm_cpu.cpp"]
 cpu_sources += ["cpp_ext/variance_cpu.cpp"]
 cpu_sources += ["cpp_ext/attention_dropout_cpu.cpp"]
 cpu_sources += ["cpp_ext/qlayers.cpp"]
+cpu_sources += ["cpp_ext/stacks.cpp"]
 cpu_sources += ["cpp_ext/loss_cpu.cpp"]
 cuda_sources += ["cpp_ext/pack_compare_cuda.cu"]
 

@@ -26,6 +26,7 @@ void register_norm(pybind11::module_& m);  // norm_cpu.cpp
 void register_variance(pybind11::module_& m);  // variance_cpu.cpp
 void register_attention_dropout(pybind11::module_& m);  // attention_dropout_cpu.cpp
 void register_qlayers(pybind11::module_& m);  // qlayers.cpp
+void register_stacks(pybind11::module_& m);  // stacks.cpp
 void register_loss(pybind11::module_& m);  // loss_cpu.cpp
 }  // namespace actnn_zoo
 
@@ -386,6 +387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   actnn_zoo::register_variance(m);  // rounding_variance_codes / _correct_, draw_sample (CPU)
   actnn_zoo::register_attention_dropout(m);  // attention_keep (CPU)
   actnn_zoo::register_qlayers(m);  // qlinear, qconv: the C++ autograd nodes of the layers
+  actnn_zoo::register_stacks(m);  // saved_hooks_top_is, innermost_function_mode
   actnn_zoo::register_loss(m);  // cross_entropy_rows_forward / _backward (CPU)
   m.def("cpu_isa", &actnn_zoo::cpu_isa,
         "The instruction set the CPU kernels' loops run with: 'avx2' or 'baseline' (portable "

@@ -21,6 +21,7 @@
 // Functions' saves, and the weight keeps autograd's in-place check -- except the capture
 // store's own hooks when they are innermost (OwnSaves below).
 #include "kernels.h"
+#include "stacks.h"
 
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/record_function.h>
@@ -814,17 +815,6 @@ at::Tensor qattention(const at::Tensor& query, const at::Tensor& key, const at::
 // forward (on top then) still see every save. Skipping is torch's own switch for deferring
 // the default hooks (SavedTensorDefaultHooks::set_tracing, what dynamo sets while it traces),
 // set for this call only: the saves are then plain saved variables, as without capture.
-// Whether the innermost saved-tensor pack hook of this thread is `pack` (and the default hooks
-// run: not deferred while dynamo traces, not disabled).
-bool saved_hooks_top_is(PyObject* pack) {
-  const auto& tls = at::SavedTensorDefaultHooks::get_tls_state();
-  if (tls.is_tracing || tls.disabled_error_message.has_value() || tls.stack.empty()) {
-    return false;
-  }
-  const c10::SafePyObject& top = tls.stack.top().first;
-  return top.ptr(&top.pyinterpreter()) == pack;
-}
-
 class OwnSaves {
  public:
   explicit OwnSaves(PyObject* own) {
@@ -858,20 +848,6 @@ void register_qlayers(pybind11::module_& m) {
   namespace py = pybind11;
   // every node takes own_saves last (see OwnSaves)
   const auto own = py::arg("own_saves") = py::none();
-  m.def(
-      "saved_hooks_top_is",
-      [](const py::object& pack) { return saved_hooks_top_is(pack.ptr()); }, py::arg("pack"),
-      "Whether `pack` is this thread's innermost saved-tensor pack hook (the hooks a save "
-      "made now reaches), without saving anything.");
-  m.def(
-      "saved_hooks_active",
-      [] {
-        const auto& tls = at::SavedTensorDefaultHooks::get_tls_state();
-        return !tls.is_tracing && !tls.disabled_error_message.has_value() &&
-               !tls.stack.empty();
-      },
-      "Whether saved-tensor default hooks are active in this thread (a save made now reaches "
-      "some), without saving anything.");
   m.def("qlinear", with_own_saves(&qlinear),
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("data"), py::arg("lo"), py::arg("step"), py::arg("row_bits") = py::none(),

@@ -687,6 +687,16 @@ class _CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _ask_by(mp: pytest.MonkeyPatch, ask: str) -> None:
+    """How call_unrouted finds the innermost mode: the extension's read of the mode stack
+    (the default, which must be there), or the probe call of builds without it."""
+    from actnn_zoo.capture import mode as M
+
+    assert M._innermost is not M._innermost_by_probe
+    if ask == "probe":
+        mp.setattr(M, "_innermost", M._innermost_by_probe)
+
+
 def _spy_on_capture_mode(mp: pytest.MonkeyPatch, seen: list) -> None:
     """Capture modes made from now on append every function they are handed to ``seen``
     (through their table lookup: wrapping ``__torch_function__`` itself would put a frame
@@ -706,7 +716,8 @@ def _spy_on_capture_mode(mp: pytest.MonkeyPatch, seen: list) -> None:
     mp.setattr(M.CaptureMode, "__init__", spying_init)
 
 
-def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them():
+@pytest.mark.parametrize("ask", ["stack", "probe"])
+def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them(ask):
     """A Q-layer's own torch calls are not handed to the capture mode (capture.mode
     call_unrouted: the mode would cost a Python call each); a mode the user enters inside the
     forward is innermost and still sees every call of the layer it wraps."""
@@ -725,24 +736,27 @@ def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them():
 
     x = torch.randn(8, 16)
     with pytest.MonkeyPatch.context() as mp:
+        _ask_by(mp, ask)
         _spy_on_capture_mode(mp, seen)
         model = az.convert_model(Wrapped(None))
         model(x).sum().backward()
-    names = [getattr(f, "__name__", "") for f in seen]
-    assert names.count("dim") == 1  # call_unrouted's probe, once for the one QLinear call
-    assert "linear" not in names and "detach" not in names  # nothing inside it reached the mode
-    assert "relu" in names  # the mode was back on the stack after the layer
+        names = [getattr(f, "__name__", "") for f in seen]
+        # the probe, once for the one QLinear call; nothing when the stack is read
+        assert names.count("dim") == (1 if ask == "probe" else 0)
+        assert "linear" not in names and "detach" not in names  # nothing inside reached it
+        assert "relu" in names  # the mode was back on the stack after the layer
 
-    counter = _CallCounter()
-    q = az.convert_model(Wrapped(counter))
-    q(x).sum().backward()
+        counter = _CallCounter()
+        q = az.convert_model(Wrapped(counter))
+        q(x).sum().backward()
     # the user's mode saw the Q-layer's own calls (the linear op, its input's attributes,
     # the quantizer's), not only the call of the layer and the relu
     assert counter.calls > 10
     assert q.lin.weight.grad is not None
 
 
-def test_a_q_layer_that_raises_leaves_the_capture_mode_on_the_stack():
+@pytest.mark.parametrize("ask", ["stack", "probe"])
+def test_a_q_layer_that_raises_leaves_the_capture_mode_on_the_stack(ask):
     """call_unrouted takes the capture mode off the stack while a Q-layer runs and puts it back
     also when the layer raises: a forward that catches the error keeps routing its calls,
     and after the forward no mode is left over."""
@@ -763,6 +777,7 @@ def test_a_q_layer_that_raises_leaves_the_capture_mode_on_the_stack():
             return self.lin(x).tanh()
 
     with pytest.MonkeyPatch.context() as mp:
+        _ask_by(mp, ask)
         _spy_on_capture_mode(mp, seen)
         model = az.convert_model(Fails(), bits=8, strategy="uniform")
         model(torch.randn(4, 16)).sum().backward()
@@ -772,18 +787,53 @@ def test_a_q_layer_that_raises_leaves_the_capture_mode_on_the_stack():
     assert model.lin.weight.grad is not None
 
 
-def test_call_unrouted_without_a_capture_mode_runs_plainly():
-    """No mode, or a user's mode innermost: ``fn`` runs as it is, and the user's mode stays
-    on the stack for it (it sees the calls ``fn`` makes)."""
-    from actnn_zoo.capture.mode import call_unrouted
+@pytest.mark.parametrize("ask", ["stack", "probe"])
+def test_call_unrouted_without_a_capture_mode_runs_plainly(ask, monkeypatch):
+    """No mode, or a user's mode innermost (also above a capture mode): ``fn`` runs as it is,
+    and the user's mode stays on the stack for it (it sees the calls ``fn`` makes)."""
+    from actnn_zoo.capture.handlers import HANDLERS
+    from actnn_zoo.capture.mode import CaptureMode, call_unrouted
 
+    _ask_by(monkeypatch, ask)
     x = torch.randn(3)
     assert call_unrouted(torch.add, x, x, alpha=2).equal(x + 2 * x)
+    probe = 1 if ask == "probe" else 0
     counter = _CallCounter()
     with counter:
         calls = counter.calls
         call_unrouted(lambda t: t.mul(2).add(1), x)
-        assert counter.calls - calls == 3  # the probe, mul and add
+        assert counter.calls - calls == probe + 2  # (the probe,) mul and add
+    capture, counter = CaptureMode(None, HANDLERS), _CallCounter()
+    with capture, counter:  # the user's mode innermost, above the capture mode
+        calls = counter.calls
+        call_unrouted(lambda t: t.mul(2).add(1), x)
+        assert counter.calls - calls == probe + 2
+
+
+def test_the_extension_reads_the_innermost_function_mode():
+    """``_C.innermost_function_mode``: what torch hands a call to first. None with no mode;
+    the innermost of nested modes; inside a mode's own
+    ``__torch_function__`` (torch takes that mode off the stack while it runs) the one below."""
+    from actnn_zoo.quant.backend import extension
+
+    innermost = extension().innermost_function_mode
+    seen = []
+
+    class Asks(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(innermost())
+            return func(*args, **(kwargs or {}))
+
+    assert innermost() is None
+    outer, inner = _CallCounter(), Asks()
+    with outer:
+        assert innermost() is outer
+        with inner:
+            assert innermost() is inner
+            torch.ones(1).add(1)
+        assert innermost() is outer
+    assert innermost() is None
+    assert seen and all(m is outer for m in seen)
 
 
 def test_transformers_gradient_checkpointing_needs_no_context():

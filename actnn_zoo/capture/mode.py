@@ -1,6 +1,7 @@
 """Tier 2's ``TorchFunctionMode``: routes functional calls of a training forward to handlers.
 
-Public API only (``torch.overrides.TorchFunctionMode``). While the mode runs a handler, torch
+Public API (``torch.overrides.TorchFunctionMode``; the extension reads the thread's mode stack
+through torch's C++ API, ``cpp_ext/stacks.cpp``). While the mode runs a handler, torch
 takes the mode off the stack, so the torch calls a handler (or a Function's forward) makes are
 not routed again; inside any autograd Function's forward grad mode is off and the mode passes
 every call through, so the zoo's Q-layers and other custom Functions are never routed twice.
@@ -20,13 +21,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._torch_private import inside_checkpoint
+from ..quant.backend import extension
 from .handlers import Handler
 
 __all__ = ["CaptureMode", "call_unrouted", "in_routed_segment", "routed_segment"]
 
-# The probe of call_unrouted: ``_PROBE.dim()`` reaches the innermost torch function mode through
-# torch's C++ dispatch (~1 us); the capture mode answers it with itself when call_unrouted asked
-# it directly, any other mode or none with the int torch computes.
+# Without the extension, call_unrouted's probe: ``_PROBE.dim()`` reaches the innermost torch
+# function mode through torch's C++ dispatch (~1.5 us); the capture mode answers it with itself
+# when _innermost_by_probe asked it directly, any other mode or none with the int torch computes.
 _PROBE = torch.empty(0)
 _DIM = torch.Tensor.dim
 _grad_enabled = torch.is_grad_enabled
@@ -84,9 +86,9 @@ class CaptureMode(TorchFunctionMode):
         handler = self._lookup(func)
         if handler is None or not grad:
             if func is _DIM and args[0] is _PROBE:  # call_unrouted's probe (never listed)
-                # asked by call_unrouted itself (the mode is innermost), not handed on by a
-                # mode above this one (whose frame would be the caller): answer with the mode
-                return self if sys._getframe(1).f_code is _UNROUTED_CODE else func(*args)
+                # asked by _innermost_by_probe itself (the mode is innermost), not handed on by
+                # a mode above this one (whose frame would be the caller): answer with the mode
+                return self if sys._getframe(1).f_code is _PROBE_CODE else func(*args)
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         if not self.in_segments and not _ROUTED_SEGMENT.get() and inside_checkpoint():
@@ -99,18 +101,19 @@ def call_unrouted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     torch function mode; otherwise plainly.
 
     Only for code that must not be routed (a Q-layer that saves through its own Function):
-    nothing inside is routed or pays the mode's per-call cost. The mode is asked through
-    ``_PROBE.dim()``, which torch hands to the innermost mode only; the capture mode answers
-    with itself and is taken off the stack (``__exit__``) while ``fn`` runs and put back
+    nothing inside is routed or pays the mode's per-call cost. The innermost mode is read from
+    the thread's mode stack (``_C.innermost_function_mode``; without the extension, asked
+    through ``_PROBE.dim()``, which torch hands to the innermost mode only, and which the
+    capture mode answers with itself); a capture mode is taken off the stack (``__exit__``)
+    while ``fn`` runs and put back
     (``__enter__``) after, also when ``fn`` raises -- what torch's own override protocol does
-    around a mode's handler, without its Python (~4.5 us a call before, ~1.6 now). A mode the
-    user entered inside the forward (a ``torch.device`` context, a counting mode) is innermost
-    then: it sees the probe (and hands it on to the capture mode, which answers it as any call
-    then), must keep seeing the layer's calls, so ``fn`` runs plainly. Tensor
-    subclasses among the arguments are not consulted here: their ``__torch_function__`` still
-    sees every torch call ``fn`` makes.
+    around a mode's handler, without its Python (~4.5 us a call before, ~1.6 with the probe,
+    ~0.5 reading the stack). A mode the user entered inside the forward (a ``torch.device``
+    context, a counting mode) is innermost then and must keep seeing the layer's calls, so
+    ``fn`` runs plainly. Tensor subclasses among the arguments are not consulted here: their
+    ``__torch_function__`` still sees every torch call ``fn`` makes.
     """
-    mode = _PROBE.dim()  # the innermost mode when it is a capture mode (see __torch_function__)
+    mode = _innermost()
     if not isinstance(mode, CaptureMode):
         return fn(*args, **kwargs)
     mode.__exit__(None, None, None)
@@ -120,4 +123,14 @@ def call_unrouted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         mode.__enter__()
 
 
-_UNROUTED_CODE = call_unrouted.__code__
+def _innermost_by_probe() -> Any:
+    """The innermost torch function mode when it is a capture mode (else an int): the probe
+    above, for builds without the extension's stack reader."""
+    return _PROBE.dim()
+
+
+_PROBE_CODE = _innermost_by_probe.__code__
+# The innermost torch function mode (or None), read from the thread's mode stack by the
+# extension (cpp_ext/stacks.cpp); without it, the probe.
+_innermost: Callable[[], Any] = (getattr(extension(), "innermost_function_mode", None)
+                                 or _innermost_by_probe)
