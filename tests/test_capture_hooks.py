@@ -331,3 +331,29 @@ def test_a_compiled_nodes_saved_weight_keeps_the_in_place_check_under_capture():
         q[1].weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+def test_a_node_that_raises_leaves_the_stores_hooks_running():
+    """A compiled node that raises while it skips the store's hooks puts them back (the skip is
+    scoped to the call): tier 3 still compresses the plain ops' saves that follow in the same
+    forward, and hooks entered after it still see saves."""
+
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x: Tensor) -> Tensor:
+            with pytest.raises(RuntimeError):
+                self.lin(x[:, :3])  # the node's wrong-width error, raised inside the skip
+            h = self.lin(x)
+            return h * h  # saves h through tier 3
+
+    q = az.convert_model(Fails(), bits=4, strategy="uniform")
+    q(torch.randn(256, 32)).sum().backward()  # h: 8192 values, over tier 3's 4096
+    report = az.capture_report(q)
+    assert report.compressed + report.shared == 2  # h, saved twice by mul
+    user = _Counting()
+    with user.hooks():
+        (torch.randn(8, requires_grad=True) * torch.randn(8)).sum()
+    assert len(user.packed) == 1
