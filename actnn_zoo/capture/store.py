@@ -34,7 +34,8 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from types import MappingProxyType
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -66,7 +67,8 @@ _HOOK_FILES = (__file__, _compile.__file__)
 
 _STRIDED, _BOOL = torch.strided, torch.bool
 _KEPT_REASON = "saved by a zoo Function"  # CaptureStats.passed's reason for keep()'s tensors
-_NOTHING: Dict[int, Tensor] = {}  # keep_own's _saving: never written (pack tests it is empty)
+# keep_own's _saving: empty and read-only (pack tests it is empty; a write would raise)
+_NOTHING: Mapping[int, Tensor] = MappingProxyType({})
 _HOOKS_ACTIVE: Optional[Callable[[], bool]] = getattr(extension(), "saved_hooks_active", None)
 
 
@@ -474,7 +476,8 @@ class CompressedStore:
         if not self.boxing and current_observer() is None:
             if counted:
                 self._count_kept(tensors)
-            self._saving = _NOTHING  # pack never sees these (a save elsewhere finds _kept)
+            self._saving = _NOTHING  # type: ignore[assignment]  # pack never sees these
+            # (a save of one of them elsewhere finds it in _kept)
             self._plain = True
             self._group = None
             return self.hooks.pack_hook if self.hooks is not None else None
