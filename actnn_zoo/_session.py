@@ -192,7 +192,7 @@ class ZeroCodeClaim:
 
 
 # Whether a given pack hook is this thread's innermost saved-tensor hook, read from autograd's
-# hook stack by the extension (cpp_ext/qlayers.cpp), nothing saved; None without the extension.
+# hook stack by the extension (cpp_ext/stacks.cpp), nothing saved; None without the extension.
 # Only then does CompressedStore.hooks_innermost save a probe (save_probe), and a probed ReLU
 # outside a session (a checkpoint's recomputation) save one too, so that both count alike.
 hooks_top_is: Optional[Callable[[Any], bool]] = getattr(extension(), "saved_hooks_top_is",
