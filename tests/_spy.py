@@ -1,4 +1,5 @@
-"""CompressionSpy: every tensor the Q-layers' Functions compress, for tests of bit budgets."""
+"""CompressionSpy: every tensor the Q-layers' Functions compress, for tests of bit budgets.
+OwnSavesSpy: which of a compiled node's saves reach the capture store's pack hook."""
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -64,3 +65,44 @@ class CompressionSpy:
         """Bits per value over the calls since the last take."""
         calls = self.take()
         return sum(c[1] for c in calls) / sum(c[0] for c in calls)
+
+
+class OwnSavesSpy:
+    """The tensors compiled nodes hand to ``CompressedStore.keep_own`` (:attr:`own`) and every
+    tensor the store's pack hook receives (:attr:`packed`). :meth:`take` sets the path:
+    ``"skipped"`` (keep_own as it is: the nodes skip the store's hooks where they may) or
+    ``"hooks"`` (keep_own answering None, so every save goes through the hooks)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.own: List[torch.Tensor] = []
+        self.packed: List[torch.Tensor] = []
+        self._monkeypatch = monkeypatch
+        Store = store.CompressedStore
+        real_keep_own, real_pack = Store.keep_own, Store.pack
+
+        def keep_own(s, *tensors, counted=True):
+            self.own += tensors
+            return real_keep_own(s, *tensors, counted=counted)
+
+        def hooks_path(s, *tensors, counted=True):
+            self.own += tensors
+            s.keep(*tensors, counted=counted)
+            return None
+
+        def pack(s, t):
+            self.packed.append(t)
+            return real_pack(s, t)
+
+        self._paths = {"skipped": keep_own, "hooks": hooks_path}
+        monkeypatch.setattr(Store, "pack", pack)
+
+    def take(self, path: str) -> None:
+        self._monkeypatch.setattr(store.CompressedStore, "keep_own", self._paths[path])
+
+    def reset(self) -> None:
+        self.own, self.packed = [], []
+
+    def own_packed(self) -> int:
+        """How many of :attr:`own` the pack hook received."""
+        packed = {id(t) for t in self.packed}
+        return sum(id(t) in packed for t in self.own)

@@ -19,6 +19,8 @@ from torch import Tensor, nn
 import actnn_zoo as az
 from actnn_zoo.capture.store import outer_hooks_present
 
+from _spy import OwnSavesSpy
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -276,39 +278,19 @@ def test_compiled_nodes_save_past_the_stores_own_hooks(monkeypatch):
     tensors reaches the pack hook, and the gradients and the capture report are what the hooks'
     path gives, bit for bit. With ``keep_own`` answering None (the hooks' path) every one of
     them is packed, so the check can fail."""
-    from actnn_zoo.capture.store import CompressedStore
-
-    real_keep_own, real_pack = CompressedStore.keep_own, CompressedStore.pack
-    seen: dict = {}
-
-    def keep_own(self, *tensors, counted=True):
-        seen["own"] += tensors
-        return real_keep_own(self, *tensors, counted=counted)
-
-    def hooks_path(self, *tensors, counted=True):
-        seen["own"] += tensors
-        self.keep(*tensors, counted=counted)
-        return None
-
-    def pack(self, t):
-        seen["packed"].append(t)
-        return real_pack(self, t)
-
-    monkeypatch.setattr(CompressedStore, "pack", pack)
+    spy = OwnSavesSpy(monkeypatch)
     torch.manual_seed(0)
     model = _EveryNode()
     x = torch.randn(4, 3, 4, 4)
     runs = {}
-    for name, fn in (("skipped", keep_own), ("hooks", hooks_path)):
-        monkeypatch.setattr(CompressedStore, "keep_own", fn)
+    for name in ("skipped", "hooks"):
+        spy.take(name)
         q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
         grads = []
         for step in range(2):  # the ReLU claims the next conv's codes from the second step
-            seen["own"], seen["packed"] = (), []
+            spy.reset()
             grads.append(_grads(q, x, seed=step))
-        packed = {id(t) for t in seen["packed"]}
-        runs[name] = (grads, str(az.capture_report(q)),
-                      sum(id(t) in packed for t in seen["own"]), len(seen["own"]))
+        runs[name] = (grads, str(az.capture_report(q)), spy.own_packed(), len(spy.own))
     (g_skip, report_skip, n_packed_skip, n_own), (g_hooks, report_hooks, n_packed_hooks, _) = \
         runs["skipped"], runs["hooks"]
     assert n_own >= 25, n_own  # every node kind saved something

@@ -873,25 +873,9 @@ def test_compiled_nodes_skip_the_stores_own_hooks_on_cuda(monkeypatch):
     """Under capture on CUDA the compiled nodes' saves skip the store's hooks as on the CPU
     (tests/test_capture_hooks.py): none of them reaches the pack hook, and the gradients are
     those of the hooks' path, bit for bit."""
-    from actnn_zoo.capture.store import CompressedStore
+    from _spy import OwnSavesSpy
 
-    real_keep_own, real_pack = CompressedStore.keep_own, CompressedStore.pack
-    seen: dict = {"own": [], "packed": []}
-
-    def keep_own(self, *tensors, counted=True):
-        seen["own"] += tensors
-        return real_keep_own(self, *tensors, counted=counted)
-
-    def hooks_path(self, *tensors, counted=True):
-        seen["own"] += tensors
-        self.keep(*tensors, counted=counted)
-        return None
-
-    def pack(self, t):
-        seen["packed"].append(t)
-        return real_pack(self, t)
-
-    monkeypatch.setattr(CompressedStore, "pack", pack)
+    spy = OwnSavesSpy(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
                                 torch.nn.Flatten(), torch.nn.Linear(8 * 16, 32),
@@ -899,15 +883,13 @@ def test_compiled_nodes_skip_the_stores_own_hooks_on_cuda(monkeypatch):
                                 torch.nn.Linear(32, 4)).to(DEV)
     x = torch.randn(4, 3, 4, 4, device=DEV)
     grads = {}
-    for name, fn in (("skipped", keep_own), ("hooks", hooks_path)):
-        monkeypatch.setattr(CompressedStore, "keep_own", fn)
-        seen["own"], seen["packed"] = [], []
+    for name in ("skipped", "hooks"):
+        spy.take(name)
+        spy.reset()
         q = az.convert_model(copy.deepcopy(model), bits=2, strategy="uniform")
         torch.manual_seed(1)
         q(x).square().sum().backward()
-        packed = {id(t) for t in seen["packed"]}
-        n_packed = sum(id(t) in packed for t in seen["own"])
-        assert seen["own"] and n_packed == (0 if name == "skipped" else len(seen["own"]))
+        assert spy.own and spy.own_packed() == (0 if name == "skipped" else len(spy.own))
         grads[name] = [p.grad for p in q.parameters()]
     for a, b in zip(grads["skipped"], grads["hooks"]):
         assert torch.equal(a, b)

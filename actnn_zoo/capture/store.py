@@ -461,9 +461,9 @@ class CompressedStore:
         # pack is one dict lookup (see pack). Held until the next keep(), so that an id freed
         # meanwhile (a Function that built no graph packs nothing) cannot be reused and match.
         self._saving = {id(t): t for t in tensors}
-        # whether pack may pass them through at its first test: no outer hooks to box them for
-        # and no observer (neither changes between here and the saves that follow)
-        self._plain = not self.boxing and current_observer() is None
+        # whether pack may pass them through at its first test (neither outer hooks nor an
+        # observer changes between here and the saves that follow)
+        self._plain = self.saves_pass_through()
         self._group = None
 
     @_eager
@@ -473,7 +473,7 @@ class CompressedStore:
         (no outer hooks, no observer), that is this store's pack hook, which the node then
         skips while it is innermost, saving them as plain saved variables (no pack or unpack
         call: ~1 us each); else None, and the saves take :meth:`keep`'s path."""
-        if not self.boxing and current_observer() is None:
+        if self.saves_pass_through():
             if counted:
                 self._count_kept(tensors)
             self._saving = _NOTHING  # type: ignore[assignment]  # pack never sees these
