@@ -667,3 +667,57 @@ def test_sample_grad_sq_float64():
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), g.reshape(4, -1).square().sum(1), rtol=1e-6)
     assert torch.allclose(sample_grad_sq(g, 1).double(), g.square().sum().reshape(1), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- row layouts
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(0, 2 ** 31 - 1))
+def test_row_layout_sums_means_and_spreads_each_layers_rows(sizes, seed):
+    """RowLayout: the per-layer sum / mean of stacked rows and the spread back to rows equal
+    the same done layer by layer (equal sizes take the reshape path, unequal the grid)."""
+    from actnn_zoo.precision.rows import RowLayout
+    g = torch.Generator().manual_seed(seed)
+    layout = RowLayout(sizes, torch.device("cpu"))
+    v = torch.randn(sum(sizes), dtype=torch.float64, generator=g)
+    parts = v.split(sizes)
+    assert torch.allclose(layout.sum(v), torch.stack([p.sum() for p in parts]), atol=1e-12)
+    assert torch.allclose(layout.mean(v), torch.stack([p.mean() for p in parts]), atol=1e-12)
+    per = torch.randn(len(sizes), dtype=torch.float64, generator=g)
+    assert torch.equal(layout.spread(per),
+                       torch.cat([per[i].expand(n) for i, n in enumerate(sizes)]))
+    assert layout.layer.tolist() == [i for i, n in enumerate(sizes) for _ in range(n)]
+
+
+def test_row_layout_rejects_an_empty_layer():
+    from actnn_zoo.precision.rows import RowLayout
+    with pytest.raises(ValueError, match="a row per layer"):
+        RowLayout([3, 0, 2], torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least one layer"):
+        RowLayout([], torch.device("cpu"))
+
+
+def test_calibrating_layers_together_equals_one_at_a_time():
+    """The re-allocation calibrates all layers in one batch of ops (calibrate_layers); each
+    layer's sensitivities and exponent are those it gets calibrated alone (float64, up to
+    summation order), also for layers of different batch sizes."""
+    from actnn_zoo.precision.actnn import calibrate_layers
+    torch.manual_seed(0)
+    model = az.convert_model(nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8),
+                                           nn.Linear(8, 4)), strategy="actnn", bits=2)
+    watched = precision_strategy(model).watched
+    g = torch.Generator().manual_seed(3)
+    for w, n, slope in zip(watched, (5, 12, 7), (0.0, -1.0, -0.5)):
+        r = torch.exp(torch.randn(n, generator=g) * 2)
+        w.stats.range_sq = r.float()
+        w.stats.sample_grad_sq = (r ** slope * torch.exp(torch.randn(n, generator=g) * 0.1)
+                                  ).float()
+        w.stats.samples, w.stats.numel = n, 32
+    alone, exps = [], []
+    for w in watched:
+        alone.append(w.calibrate(torch.device("cpu")))
+        exps.append(float(w.exponent))
+    layout = precision_strategy(model).layouts.get((5, 12, 7), torch.device("cpu"))
+    together = calibrate_layers(watched, layout)
+    assert torch.allclose(together, torch.cat(alone), rtol=1e-12, atol=0)
+    assert [float(w.exponent) for w in watched] == pytest.approx(exps, abs=1e-6)
+    assert exps[0] == pytest.approx(1.0, abs=0.05) and exps[1] == pytest.approx(0.0, abs=0.05)

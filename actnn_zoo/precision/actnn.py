@@ -81,8 +81,10 @@ from .._compile import EagerHook
 from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
 from ..quant.backend import extension
-from .base import PrecisionStrategy, TrackedLayer, hand_derivative, set_sample_bits
+from .base import (WIDTHS_ATTR, PrecisionStrategy, ThreadWidths, TrackedLayer,
+                   hand_derivative, set_sample_bits)
 from .readback import DeferredRead
+from .rows import LayoutCache, RowLayout, host_tensor
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
 from .stats import (LayerKind, LayerStats, layer_kind, sample_grad_sq, saved_statistic,
                     same_tensor)
@@ -152,6 +154,13 @@ class _Watched:
         # changed under the strategy's lock, with ``stats``)
         self.calls: List[_Call] = []
         self._step = -1
+        # per call on the hot path, made once: the op factor where the module alone sets it
+        # (conv, linear, norms: ``LayerKind.fixed_fan``), the spare bits of the last (budget,
+        # batch size), and the layer's per-thread widths slot (``attach`` gives it one)
+        self._fixed_fan: Optional[float] = None
+        self._extra_for: Tuple[float, int] = (-1.0, -1)
+        self._extra = 0.0
+        self.slot: Optional[ThreadWidths] = None
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Tuple) -> None:
@@ -183,10 +192,11 @@ class _Watched:
         recorded gradients are kept unless this step records new ones. Under the lock."""
         self._step = fw.step
         self.calls = []
-        self.stats.samples = self.stats.numel = self.stats.values = self.stats.calls = 0
-        self.stats.bits = None
+        st = self.stats
+        st.samples = st.numel = st.values = st.calls = 0
+        st.bits = None
         if fw.record_grads:  # this step's gradients replace the last recorded ones
-            self.stats.sample_grad_sq = self.stats.grad_sq = None
+            st.sample_grad_sq = st.grad_sq = None
 
     def _record(self, fw: Optional[_Forward], call: Optional[_Call],
                 fan: Optional[float] = None) -> None:
@@ -234,9 +244,17 @@ class _Watched:
                     call.bits = full
             self._record(fw, call)
             return None
-        fan = self.kind.fan(module, rows)
+        fan = self._fixed_fan
+        if fan is None:
+            fan = self.kind.fan(module, rows)
+            if self.kind.fixed_fan:
+                self._fixed_fan = fan
         group_size = module.qconfig.group_size  # type: ignore[attr-defined]
-        extra = extra_bits(budget, n)  # host number: budget is a host float
+        if self._extra_for == (budget, n):
+            extra = self._extra
+        else:  # a host number: budget is a host float
+            extra = self._extra = extra_bits(budget, n)
+            self._extra_for = (budget, n)
         if (_CHOOSE is not None and self.kind.saved is same_tensor
                 and rows.device.type == "cpu" and rows.dtype in _CHOOSE_DTYPES
                 and rows.is_contiguous() and not isinstance(extra, Tensor)):
@@ -251,7 +269,10 @@ class _Watched:
         if call is not None:
             call.range_sq, call.bits = score, bits
         self._record(fw, call, fan)
-        set_sample_bits(module, SampleBits.made(bits, n + int(extra)))
+        widths = SampleBits.made(bits, n + int(extra))
+        object.__setattr__(module, "sample_bits", widths)  # set_sample_bits, inlined
+        if self.slot is not None:
+            self.slot.bits = widths
         return call
 
     def _summarise(self) -> None:
@@ -299,42 +320,65 @@ class _Watched:
         if self.pinned_bits is None:
             set_sample_bits(module, None)
 
-    def row_weights(self, device: torch.device) -> Tensor:
-        """(stats.samples,) float64: the values each recorded row saved (its call's numel)."""
-        return torch.cat([torch.full((c.samples,), float(c.numel), dtype=torch.float64,
-                                     device=device) for c in self.calls])
-
     # -- sensitivity ----------------------------------------------------------------------
     def factor(self) -> float:
         """The op factor fan / D of the last forward (host float, from shapes)."""
         return self.fan / max(self.stats.numel, 1)
 
+    def fits(self) -> bool:
+        """Whether the last recorded step left matching statistics to calibrate on: a range
+        and an output gradient for each row."""
+        st = self.stats
+        return (st.range_sq is not None and st.sample_grad_sq is not None
+                and st.range_sq.shape == st.sample_grad_sq.shape)
+
     def calibrate(self, device: torch.device) -> Optional[Tensor]:
         """float64 (N,) sensitivities C_n of the last recorded step's samples, and refit the
         exponent the within-layer allocation uses; None without matching statistics.
-
-        C_n = factor * R_n * S with one S per layer (ActNN) assumes a sample's gradient does
-        not depend on its range. In a trained classifier it does, inversely: confident samples
-        have wide activations and tiny gradients. So fit log g_n^2 = a + beta log R_n on the
-        last step's samples (g_n^2: that sample's squared output gradient) and rank the next
-        batch by E[R_n g_n^2 | R_n] ~ R_n ** gamma, gamma = 1 + beta clipped to [0, 1] (a wider
-        sample never gets fewer bits). The layer's total sensitivity keeps its measured value,
-        factor * sum_n R_n g_n^2.
-        """
-        st = self.stats
-        if (st.range_sq is None or st.sample_grad_sq is None
-                or st.range_sq.shape != st.sample_grad_sq.shape):
+        :func:`calibrate_layers` for this layer alone (the strategy calibrates all at once)."""
+        if not self.fits():
             return None
-        r = st.range_sq.to(device, torch.float64)
-        g = st.sample_grad_sq.to(device, torch.float64)
-        lr, lg = r.clamp_min(1e-30).log(), g.clamp_min(1e-30).log()
-        lr, lg = lr - lr.mean(), lg - lg.mean()
-        beta = (lr * lg).mean() / (lr * lr).mean().clamp_min(1e-6)
-        gamma = (1.0 + beta).clamp(0.0, 1.0)
-        self.exponent = gamma.to(st.range_sq.device, torch.float32)
-        expected = r.pow(gamma)
-        total = (r * g).sum() * self.factor()
-        return expected * (total / expected.sum().clamp_min(1e-300))
+        layout = self.strategy.layouts.get(self.stats.range_sq.shape[:1], device)
+        return calibrate_layers([self], layout)
+
+
+def calibrate_layers(layers: Sequence[_Watched], layout: RowLayout) -> Tensor:
+    """float64 (M,): every sample's sensitivity C_n, the layers' rows stacked in order (their
+    sizes ``layout.sizes``, on its device), and each layer's refitted exponent (``exponent``).
+    Each layer must fit (:meth:`_Watched.fits`). A fixed number of tensor ops for any number
+    of layers (:mod:`~actnn_zoo.precision.rows`).
+
+    C_n = factor * R_n * S with one S per layer (ActNN) assumes a sample's gradient does not
+    depend on its range. In a trained classifier it does, inversely: confident samples have
+    wide activations and tiny gradients. So fit log g_n^2 = a + beta log R_n on the last step's
+    samples of each layer (g_n^2: that sample's squared output gradient) and rank the next
+    batch by E[R_n g_n^2 | R_n] ~ R_n ** gamma, gamma = 1 + beta clipped to [0, 1] (a wider
+    sample never gets fewer bits). Each layer's total sensitivity keeps its measured value,
+    factor * sum_n R_n g_n^2.
+    """
+    device = layout.layer.device
+    r = _stacked([w.stats.range_sq for w in layers], device)  # type: ignore[misc]
+    g = _stacked([w.stats.sample_grad_sq for w in layers], device)  # type: ignore[misc]
+    lr, lg = r.clamp_min(1e-30).log(), g.clamp_min(1e-30).log()
+    lr = lr - layout.spread(layout.mean(lr))
+    lg = lg - layout.spread(layout.mean(lg))
+    beta = layout.mean(lr * lg) / layout.mean(lr * lr).clamp_min(1e-6)
+    gamma = (1.0 + beta).clamp(0.0, 1.0)
+    expected = r.pow(layout.spread(gamma))
+    factors = host_tensor([w.factor() for w in layers], torch.float64, device)
+    total = layout.sum(r * g) * factors
+    exponents = gamma.to(torch.float32).unbind()
+    for w, e in zip(layers, exponents):
+        home = w.stats.range_sq.device  # type: ignore[union-attr]
+        w.exponent = e if home == device else e.to(home)
+    return expected * layout.spread(total / layout.sum(expected).clamp_min(1e-300))
+
+
+def _stacked(parts: List[Tensor], device: torch.device) -> Tensor:
+    """The parts, float64, concatenated on ``device`` (one copy when they are all there)."""
+    if all(p.device == device for p in parts):
+        return torch.cat(parts).to(torch.float64)
+    return torch.cat([p.to(device, torch.float64) for p in parts])
 
 
 class ActNNStrategy(PrecisionStrategy):
@@ -357,6 +401,7 @@ class ActNNStrategy(PrecisionStrategy):
         self.watched: List[_Watched] = []
         self._warned = False
         self._tables: Dict[Tuple[torch.device, torch.dtype], UpgradeTable] = {}
+        self.layouts = LayoutCache()  # the re-allocation's row layouts (rows.py)
         self._root: Optional[nn.Module] = None  # the converted root (its capture tiers)
 
     def table(self, device: torch.device, dtype: torch.dtype = torch.float32) -> UpgradeTable:
@@ -378,6 +423,7 @@ class ActNNStrategy(PrecisionStrategy):
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
             self.own_widths(tl.module)
+            w.slot = tl.module.__dict__[WIDTHS_ATTR]
             self._watch(model, tl.module, w.pre_hook,
                         w.post_hook if tl.pinned_bits is None else None)
             self.watched.append(w)
@@ -460,30 +506,47 @@ class ActNNStrategy(PrecisionStrategy):
         b_free = min(max(b_free, 1.0), 8.0)
         ready = [w for w in free if w.stats.grad_sq is not None and w.stats.range_sq is not None
                  and w.stats.range_sq.shape[0] == w.stats.samples]
-        scores, weights, joint = [], [], []
+        joint = [w for w in ready if w.kind.modelled]
+        read = None
         device = ready[0].stats.range_sq.device if ready else None  # type: ignore[union-attr]
-        for w in ready:
-            c = w.calibrate(device)
-            if not w.kind.modelled:
-                continue
+        scores = self._scores(ready, joint, device) if ready else None
+        if scores is not None:
+            # each row weighs the values its call saved; a layer's width is the average over
+            # all the values it saved (all its calls)
+            calls = [c for w in joint for c in w.calls]
+            by_call = self.layouts.get([c.samples for c in calls], device)
+            weight = by_call.spread(host_tensor([float(c.numel) for c in calls],
+                                                torch.float64, device))
+            widths = allocate_weighted(scores, weight, b_free, self.table(device, torch.float64))
+            layers = self.layouts.get([w.stats.samples for w in joint], device)
+            read = DeferredRead(layers.sum(widths * weight) / layers.sum(weight))
+        self._pending = (b_free, joint, read)
+
+    def _scores(self, ready: List[_Watched], joint: List[_Watched], device: torch.device
+                ) -> Optional[Tensor]:
+        """float64: the ``joint`` layers' per-sample sensitivities, stacked in order, on
+        ``device`` (None without joint layers). Every ``ready`` layer with matching statistics
+        refits its exponent on the way, all at once (one outside the joint solve uses its own
+        when its budget is not a width)."""
+        fitted = [w for w in ready if w.fits()]
+        fits: Dict[int, Tensor] = {}
+        if fitted:
+            layout = self.layouts.get([w.stats.samples for w in fitted], device)
+            c_all = calibrate_layers(fitted, layout)
+            if joint == fitted:  # the common case: every joint layer fitted, nothing else
+                return c_all
+            fits = {id(w): c for w, c in zip(fitted, c_all.split(layout.sizes))}
+        if not joint:
+            return None
+        scores = []
+        for w in joint:
+            c = fits.get(id(w))
             if c is None:  # no per-sample gradients: ActNN's C = factor * R_n * S
                 r = w.stats.range_sq.to(device, torch.float64)  # type: ignore[union-attr]
                 c = r * (w.stats.grad_sq.to(device, torch.float64)  # type: ignore[union-attr]
                          * w.factor())
-            joint.append(w)
             scores.append(c)
-            weights.append(w.row_weights(device))
-        read = None
-        if joint:
-            weight = torch.cat(weights)
-            widths = allocate_weighted(torch.cat(scores), weight, b_free,
-                                       self.table(device, torch.float64))
-            # each layer's average over the values it saved (all its calls)
-            sizes = [w.stats.samples for w in joint]
-            read = DeferredRead(torch.stack([
-                (b * v).sum() / v.sum() for b, v in zip(torch.split(widths, sizes),
-                                                        torch.split(weight, sizes))]))
-        self._pending = (b_free, joint, read)
+        return torch.cat(scores)
 
     def _apply(self, b_free: float, joint: List[_Watched],
                widths: Optional[DeferredRead]) -> None:
