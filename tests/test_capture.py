@@ -854,3 +854,52 @@ def test_transformers_gradient_checkpointing_needs_no_context():
     g_r = torch.cat([p.grad.flatten() for p in ref.parameters()])
     g_q = torch.cat([p.grad.flatten() for p in q.parameters()])
     assert cos(g_r, g_q) >= 0.9999
+
+
+def test_a_captured_step_leaves_no_reference_cycles():
+    """The session is freed by reference counting when the forward ends, its store once
+    backward is done (the mode and the store's hooks no longer point back at them), so a step
+    leaves nothing for the cyclic collector: checked with the collector off, and with DEBUG_SAVEALL (which keeps
+    whatever a collection finds) over whole steps of a model with every tier in use."""
+    import gc
+    import weakref
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.fc = nn.Linear(8 * 8 * 8, 10)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = F.relu(self.conv(x))  # tier 2 routes the functional relu
+            h = torch.sigmoid(h) * h  # tier 3 keeps what these save
+            return self.fc(h.flatten(1))
+
+    torch.manual_seed(0)
+    model = az.convert_model(Net())
+    x = torch.randn(4, 3, 8, 8)
+    seen = []
+    model.fc.register_forward_pre_hook(
+        lambda m, a: seen.append((weakref.ref(active_session()),
+                                  weakref.ref(active_session().store))))
+    for _ in range(2):
+        F.cross_entropy(model(x), torch.arange(4)).backward()
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        seen.clear()
+        loss = F.cross_entropy(model(x), torch.arange(4))
+        session, store = seen[0]
+        assert session() is None  # the forward is over: only the graph needed the session's
+        assert store() is not None  # store, for its unpacks
+        loss.backward()
+        del loss
+        assert session() is None and store() is None  # freed without a collection
+        assert gc.collect() == 0 and gc.garbage == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
