@@ -20,7 +20,7 @@ def test_table_has_ratios_and_extra_per_q_module(capsys):
     out = capsys.readouterr().out
     assert "gpt2: 123 Q-modules when converted" in out
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
-            for line in out.splitlines() if line.count("|") == 4}
+            for line in out.splitlines() if line.count("|") == 5}
     assert list(rows)[1:] == ["fp32", "default", "no-capture", "checkpoint", "compiled-fp32",
                               "compiled", "torch-compiled"]
     fp32 = float(rows["fp32"][0])
@@ -30,8 +30,10 @@ def test_table_has_ratios_and_extra_per_q_module(capsys):
         assert float(rows[mode][3]) == pytest.approx(
             float(rows[mode][0]) / float(rows["compiled-fp32"][0]), abs=0.01)
     for mode in ("default", "no-capture", "checkpoint"):
-        ms, ratio, extra, _ = rows[mode]
+        ms, ratio, extra, _, mean_ratio = rows[mode]
         assert float(ratio) == pytest.approx(float(ms) / fp32, abs=0.01)
+        assert float(mean_ratio) > 0  # one step per mode here: the mean is that step's ratio
+        assert float(mean_ratio) == pytest.approx(float(ratio), abs=0.01)
         # extra us per Q-module: only for converted modes
         if mode == "checkpoint":
             assert extra == ""
@@ -60,7 +62,7 @@ def test_floor_modes_run_the_plain_model_under_the_mechanisms(capsys, monkeypatc
                      "--rounds", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
-            for line in out.splitlines() if line.count("|") == 4}
+            for line in out.splitlines() if line.count("|") == 5}
     assert list(rows)[1:] == ["fp32", "fp32-mode", "fp32-hooks"]
     assert rows["fp32-mode"][2] == "" and rows["fp32-hooks"][2] == ""
     assert seen["mode"] > 500 and seen["hooks"] > 100  # GPT-2's calls and saves, every step
