@@ -174,13 +174,7 @@ class _Watched:
         # this thread's root training forward; None outside it (a checkpoint's recomputation
         # in backward is not counted again)
         fw: Optional[_Forward] = self.strategy.local.forward
-        if self.kind.saved is same_tensor:
-            # conv, linear, norms: the statistics read the input through the kernels, which
-            # take it detached (no graph, so no no_grad context: ~10 Python calls per layer)
-            call = self._choose(module, x, fw)
-        else:
-            with torch.no_grad():  # f'(x), softmax(x): not part of the model's graph
-                call = self._choose(module, x, fw)
+        call = self._choose(module, x, fw)
         if call is not None and fw is not None and fw.record_grads:
             # post_hook has its output gradient measured (an entry a forward that raised
             # left behind is of an older step: grad_hook ignores it)
@@ -261,7 +255,13 @@ class _Watched:
             # the three steps below in one compiled call (the statistic, its power, the widths)
             score, bits = _CHOOSE(rows, group_size, self.exponent, extra)
         else:
-            score, made = saved_statistic(self.kind, module, rows, group_size)
+            if self.kind.saved is same_tensor:
+                # conv, linear, norms: the kernels read the input detached (no graph, so no
+                # no_grad context: ~10 Python calls per layer)
+                score, made = saved_statistic(self.kind, module, rows, group_size)
+            else:
+                with torch.no_grad():  # f'(x), softmax(x): not part of the model's graph
+                    score, made = saved_statistic(self.kind, module, rows, group_size)
             hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
             exponent = self.exponent
             expected = score if exponent is None else score.pow(exponent)
