@@ -132,12 +132,12 @@ def _squared_ranges(x: Tensor) -> Tensor:
 def sample_grad_sq(grad: Tensor, samples: int) -> Tensor:
     """(samples,) float32: each sample's squared output-gradient norm (one entry, the whole
     norm, when the output has no batch dim of that size). Stays on grad's device."""
-    g = grad.detach()
+    g = no_graph(grad)  # a hook's gradient has no graph unless create_graph: no detach op
     # accumulate in float32 (float64 for a float64 model: vector_norm does not narrow)
     acc = torch.float64 if g.dtype == torch.float64 else torch.float32
     if samples > 1 and g.dim() > 0 and g.shape[0] == samples:
-        return torch.linalg.vector_norm(g.reshape(samples, -1), dim=1,
-                                        dtype=acc).float().square()
+        norms = torch.linalg.vector_norm(g.reshape(samples, -1), dim=1, dtype=acc)
+        return (norms if acc == torch.float32 else norms.float()).square()
     return torch.linalg.vector_norm(g, dtype=acc).float().square().reshape(1).expand(
         max(samples, 1)) / max(samples, 1)
 
