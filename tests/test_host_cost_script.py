@@ -157,3 +157,20 @@ def test_relu_masks_mode_turns_off_only_the_code_sharing():
     assert az.convert_model(nn.Sequential(nn.ReLU()), **mod.OVERRIDES["uniform-2"]
                             )[0].qconfig.relu_codes is True
     assert torch.is_tensor(model(torch.randn(1, 3, 8, 8)))
+
+
+def test_mean_column_is_the_mean_steps_ratio(capsys, monkeypatch):
+    """The last column is mean step over fp32's mean step, not the medians' ratio: with step
+    times whose mean and median differ (one slow step, as a re-allocation step is), the
+    column follows the mean."""
+    mod = _script()
+    fake = {"fp32": [0.010, 0.010, 0.010, 0.010], "default": [0.020, 0.020, 0.020, 0.060]}
+    monkeypatch.setattr(mod, "interleaved_step_times", lambda steps, **kw: dict(fake))
+    assert mod.main(["--models", "gpt2", "--modes", "default", "--steps", "1", "--rounds",
+                     "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
+            for line in out.splitlines() if line.count("|") == 5}
+    assert float(rows["default"][1]) == pytest.approx(2.0)  # median 20 ms / 10 ms
+    assert float(rows["default"][4]) == pytest.approx(3.0)  # mean 30 ms / 10 ms
+    assert float(rows["fp32"][4]) == pytest.approx(1.0)

@@ -70,6 +70,7 @@ the same lock) reads rows, widths and gradients that belong together.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -81,8 +82,7 @@ from .._compile import EagerHook
 from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
 from ..quant.backend import extension
-from .base import (WIDTHS_ATTR, PrecisionStrategy, ThreadWidths, TrackedLayer,
-                   hand_derivative, set_sample_bits)
+from .base import PrecisionStrategy, TrackedLayer, hand_derivative, set_sample_bits
 from .readback import DeferredRead
 from .rows import LayoutCache, RowLayout, host_tensor
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
@@ -97,6 +97,7 @@ _CHOOSE = getattr(extension(), "choose_widths", None)
 _CHOOSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _LADDER = (1.0, 2.0, 4.0, 8.0)
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def _stack(parts: List[Optional[Tensor]]) -> Optional[Tensor]:
@@ -154,13 +155,6 @@ class _Watched:
         # changed under the strategy's lock, with ``stats``)
         self.calls: List[_Call] = []
         self._step = -1
-        # per call on the hot path, made once: the op factor where the module alone sets it
-        # (conv, linear, norms: ``LayerKind.fixed_fan``), the spare bits of the last (budget,
-        # batch size), and the layer's per-thread widths slot (``attach`` gives it one)
-        self._fixed_fan: Optional[float] = None
-        self._extra_for: Tuple[float, int] = (-1.0, -1)
-        self._extra = 0.0
-        self.slot: Optional[ThreadWidths] = None
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Tuple) -> None:
@@ -238,30 +232,19 @@ class _Watched:
                     call.bits = full
             self._record(fw, call)
             return None
-        fan = self._fixed_fan
-        if fan is None:
-            fan = self.kind.fan(module, rows)
-            if self.kind.fixed_fan:
-                self._fixed_fan = fan
+        fan = self.kind.fan(module, rows)
         group_size = module.qconfig.group_size  # type: ignore[attr-defined]
-        if self._extra_for == (budget, n):
-            extra = self._extra
-        else:  # a host number: budget is a host float
-            extra = self._extra = extra_bits(budget, n)
-            self._extra_for = (budget, n)
+        extra = extra_bits(budget, n)  # host number: budget is a host float
         if (_CHOOSE is not None and self.kind.saved is same_tensor
                 and rows.device.type == "cpu" and rows.dtype in _CHOOSE_DTYPES
                 and rows.is_contiguous() and not isinstance(extra, Tensor)):
             # the three steps below in one compiled call (the statistic, its power, the widths)
             score, bits = _CHOOSE(rows, group_size, self.exponent, extra)
         else:
-            if self.kind.saved is same_tensor:
-                # conv, linear, norms: the kernels read the input detached (no graph, so no
-                # no_grad context: ~10 Python calls per layer)
+            # f'(x), softmax(x) are not part of the model's graph; conv, linear and norms need
+            # no no_grad context (~10 Python calls): the kernels read their input detached
+            with _NO_CONTEXT if self.kind.saved is same_tensor else torch.no_grad():
                 score, made = saved_statistic(self.kind, module, rows, group_size)
-            else:
-                with torch.no_grad():  # f'(x), softmax(x): not part of the model's graph
-                    score, made = saved_statistic(self.kind, module, rows, group_size)
             hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
             exponent = self.exponent
             expected = score if exponent is None else score.pow(exponent)
@@ -269,10 +252,7 @@ class _Watched:
         if call is not None:
             call.range_sq, call.bits = score, bits
         self._record(fw, call, fan)
-        widths = SampleBits.made(bits, n + int(extra))
-        object.__setattr__(module, "sample_bits", widths)  # set_sample_bits, inlined
-        if self.slot is not None:
-            self.slot.bits = widths
+        set_sample_bits(module, SampleBits.made(bits, n + int(extra)))
         return call
 
     def _summarise(self) -> None:
@@ -423,7 +403,6 @@ class ActNNStrategy(PrecisionStrategy):
             tl.module.precision_stats = w.stats
             tl.module.sample_bits = None
             self.own_widths(tl.module)
-            w.slot = tl.module.__dict__[WIDTHS_ATTR]
             self._watch(model, tl.module, w.pre_hook,
                         w.post_hook if tl.pinned_bits is None else None)
             self.watched.append(w)

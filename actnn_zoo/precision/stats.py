@@ -238,7 +238,6 @@ class LayerKind:
     compresses: Callable[[nn.Module, Tensor], bool]
     fan: Callable[[nn.Module, Tensor], float]
     modelled: bool = False
-    fixed_fan: bool = False  # ``fan`` reads the module's hyper-parameters only, not ``rows``
 
 
 def _weight_fn(m: nn.Module, x: Tensor) -> bool:
@@ -256,11 +255,9 @@ def _norm_fn(m: nn.Module, x: Tensor) -> bool:
     return w is not None and w.requires_grad
 
 
-_CONV = LayerKind("conv", _conv_batched, same_tensor, _weight_fn, _conv_fan, modelled=True,
-                  fixed_fan=True)
-_LINEAR = LayerKind("linear", same_tensor, same_tensor, _weight_fn, _linear_fan, modelled=True,
-                    fixed_fan=True)
-_NORM = LayerKind("norm", same_tensor, same_tensor, _norm_fn, _norm_fan, fixed_fan=True)
+_CONV = LayerKind("conv", _conv_batched, same_tensor, _weight_fn, _conv_fan, modelled=True)
+_LINEAR = LayerKind("linear", same_tensor, same_tensor, _weight_fn, _linear_fan, modelled=True)
+_NORM = LayerKind("norm", same_tensor, same_tensor, _norm_fn, _norm_fan)
 _ACT = LayerKind("derivative", same_tensor, _derivative, _input_trains, _feature_fan)
 _SOFTMAX = LayerKind("softmax", same_tensor, _softmax_out, _input_trains, _softmax_fan)
 
