@@ -780,7 +780,9 @@ def as_config(config: ConfigLike = None, **overrides: Any) -> QuantConfig:
 # softmax's payload, masked: ``CompressedStore.derive``), their values counted at 0 bits, so
 # the same budget buys the other layers more: +0.70/+0.92/+0.92% at 10.2x. The realised
 # average over every saved value, capture tier 3 included, stays within the budget
-# (``ActNNStrategy`` counts tier 3's values at their width, derived ones at 0).
+# (``ActNNStrategy`` counts tier 3's values at their width, derived ones at 0). The same holds
+# for Hugging Face GPT-2, whose MLP is two ``Conv1D`` layers, and for RMSNorm models, only
+# since the strategies have kinds for those classes (docs/design.md, "What a strategy sees").
 TRANSFORMER_BITS = 3.375
 TRANSFORMER_CAPTURE_BITS = 4
 TRANSFORMER_SOFTMAX_BITS = 4

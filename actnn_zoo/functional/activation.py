@@ -610,23 +610,26 @@ def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0,
 
 
 def hardswish(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
-              bits: OptBits = None) -> Tensor:
+              bits: OptBits = None,
+              derivative: Optional[Tensor] = None) -> Tensor:
     """Hardswish saving its compressed derivative (piecewise: 0, (2x + 3) / 6, 1). Saving the
     derivative rather than x keeps ``grad * f'`` linear in what is saved, hence unbiased."""
-    return _deriv_apply("hardswish", x, (), qconfig, bits, inplace)
+    return _deriv_apply("hardswish", x, (), qconfig, bits, inplace, derivative=derivative)
 
 
 def hardsigmoid(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
-                bits: OptBits = None) -> Tensor:
+                bits: OptBits = None,
+                derivative: Optional[Tensor] = None) -> Tensor:
     """Hardsigmoid saving its compressed derivative (1/6 inside (-3, 3), else 0): a 2-bit
     group holding both values rounds them stochastically, unbiased like the smooth ones."""
-    return _deriv_apply("hardsigmoid", x, (), qconfig, bits, inplace)
+    return _deriv_apply("hardsigmoid", x, (), qconfig, bits, inplace, derivative=derivative)
 
 
 def mish(x: Tensor, inplace: bool = False, qconfig: Optional[LayerQConfig] = None,
-         bits: OptBits = None) -> Tensor:
+         bits: OptBits = None,
+         derivative: Optional[Tensor] = None) -> Tensor:
     """Mish saving compressed Mish'(x) (computed before an in-place update)."""
-    return _deriv_apply("mish", x, (), qconfig, bits, inplace)
+    return _deriv_apply("mish", x, (), qconfig, bits, inplace, derivative=derivative)
 
 
 class BoolMaskReLU(torch.autograd.Function):

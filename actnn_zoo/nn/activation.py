@@ -230,7 +230,8 @@ class QHardswish(_QAct, nn.Hardswish):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.hardswish(input, self.inplace, self.qconfig, self.bits_for(input))
+            return A.hardswish(input, self.inplace, self.qconfig, self.bits_for(input),
+                               self._derivative(input))
         traced = self._traced("hardswish", input, (), self.inplace)
         return nn.Hardswish.forward(self, input) if traced is None else traced
 
@@ -246,7 +247,8 @@ class QHardsigmoid(_QAct, nn.Hardsigmoid):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.hardsigmoid(input, self.inplace, self.qconfig, self.bits_for(input))
+            return A.hardsigmoid(input, self.inplace, self.qconfig, self.bits_for(input),
+                                 self._derivative(input))
         traced = self._traced("hardsigmoid", input, (), self.inplace)
         return nn.Hardsigmoid.forward(self, input) if traced is None else traced
 
@@ -262,6 +264,7 @@ class QMish(_QAct, nn.Mish):
 
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
-            return A.mish(input, self.inplace, self.qconfig, self.bits_for(input))
+            return A.mish(input, self.inplace, self.qconfig, self.bits_for(input),
+                          self._derivative(input))
         traced = self._traced("mish", input, (), self.inplace)
         return self.plain_forward(nn.Mish, input) if traced is None else traced

@@ -24,7 +24,9 @@ from ..nn import activation as qact
 from ..nn import conv as qconv
 from ..nn import norm as qnorm
 from ..nn.linear import QLinear
+from ..nn.rmsnorm import QRMSNorm
 from ..nn.softmax import QSoftmax
+from ..nn.third_party import QHFConv1D, QLayerNorm2d
 from ..quant.api import SampleBits, as_rows, no_graph
 from ..quant.backend import extension
 from .base import set_sample_bits
@@ -148,6 +150,11 @@ def _conv_batched(mod: nn.Module, x: Tensor) -> Tensor:
     return x.unsqueeze(0) if x.dim() == mod._DIMS + 1 else x  # type: ignore[attr-defined]
 
 
+def _channels_last(mod: nn.Module, x: Tensor) -> Tensor:
+    """QLayerNorm2d normalises NCHW input over C as NHWC rows (nn/third_party.py)."""
+    return x.permute(0, 2, 3, 1) if x.dim() == 4 else x
+
+
 def _conv_fan(mod: nn.Module, rows: Tensor) -> float:
     """Weights each input value meets in the weight gradient, kernel area x input channels per
     group (transposed: divided by the stride's area), over ActNN's 4."""
@@ -158,13 +165,17 @@ def _conv_fan(mod: nn.Module, rows: Tensor) -> float:
 
 
 def _linear_fan(mod: nn.Module, rows: Tensor) -> float:
+    """Input features (Hugging Face's ``Conv1D``: ``nx``) over ActNN's 4."""
+    if isinstance(mod, QHFConv1D):
+        return float(mod.nx) / 4.0
     return float(mod.in_features) / 4.0  # type: ignore[attr-defined]
 
 
 def _norm_fan(mod: nn.Module, rows: Tensor) -> float:
-    """Channels (BatchNorm, GroupNorm) or normalised features (LayerNorm), as ActNN weighs
-    BatchNorm: their noise reaches the earlier layers' weight gradients through grad_input."""
-    if isinstance(mod, qnorm.QLayerNorm):
+    """Channels (BatchNorm, GroupNorm) or normalised features (LayerNorm, RMSNorm), as ActNN
+    weighs BatchNorm: their noise reaches the earlier layers' weight gradients through
+    grad_input."""
+    if isinstance(mod, (qnorm.QLayerNorm, QLayerNorm2d, QRMSNorm)):
         return float(math.prod(mod.normalized_shape))
     if isinstance(mod, qnorm.QGroupNorm):
         return float(mod.num_channels)
@@ -197,6 +208,9 @@ _DERIV = {
     qact.QTanh: ("tanh", lambda m: ()),
     qact.QELU: ("elu", lambda m: (m.alpha,)),
     qact.QSoftplus: ("softplus", lambda m: (m.beta, m.threshold)),
+    qact.QHardswish: ("hardswish", lambda m: ()),
+    qact.QHardsigmoid: ("hardsigmoid", lambda m: ()),
+    qact.QMish: ("mish", lambda m: ()),
 }
 
 
@@ -209,6 +223,18 @@ def _derivative(mod: nn.Module, x: Tensor) -> Tensor:
     elif op == "tanh":
         y = torch.tanh(x)
     return activation_derivative(op, x, y, params(mod))
+
+
+def _normalized(mod: nn.Module, x: Tensor) -> Tensor:
+    """The normalised input, what LayerNorm, RMSNorm and GroupNorm compress. Their
+    normalisation takes each row's (or group's) scale out, so the input's own ranges would
+    rank the samples wrongly: a sample of small scale is saved at the same range as any
+    other, and its input gradient is the larger, by its 1 / std."""
+    if isinstance(mod, QRMSNorm):
+        return F.rms_norm(x, tuple(mod.normalized_shape), eps=mod.eps)
+    if isinstance(mod, qnorm.QGroupNorm):
+        return F.group_norm(x, mod.num_groups, eps=mod.eps)
+    return F.layer_norm(x, tuple(mod.normalized_shape), eps=mod.eps)  # type: ignore[arg-type]
 
 
 def _softmax_out(mod: nn.Module, x: Tensor) -> Tensor:
@@ -257,13 +283,16 @@ def _norm_fn(m: nn.Module, x: Tensor) -> bool:
 
 _CONV = LayerKind("conv", _conv_batched, same_tensor, _weight_fn, _conv_fan, modelled=True)
 _LINEAR = LayerKind("linear", same_tensor, same_tensor, _weight_fn, _linear_fan, modelled=True)
-_NORM = LayerKind("norm", same_tensor, same_tensor, _norm_fn, _norm_fan)
+_NORM = LayerKind("norm", same_tensor, same_tensor, _norm_fn, _norm_fan)  # BatchNorm
+_ROW_NORM = LayerKind("norm", same_tensor, _normalized, _norm_fn, _norm_fan)
+_NORM_2D = LayerKind("norm", _channels_last, _normalized, _norm_fn, _norm_fan)
 _ACT = LayerKind("derivative", same_tensor, _derivative, _input_trains, _feature_fan)
 _SOFTMAX = LayerKind("softmax", same_tensor, _softmax_out, _input_trains, _softmax_fan)
 
 _KINDS: Tuple[Tuple[type, LayerKind], ...] = (
     (qconv._QConvNd, _CONV), (qconv._QConvTransposeNd, _CONV), (QLinear, _LINEAR),
-    (qnorm._QBatchNorm, _NORM), (qnorm.QLayerNorm, _NORM), (qnorm.QGroupNorm, _NORM),
+    (QHFConv1D, _LINEAR), (qnorm._QBatchNorm, _NORM), (qnorm.QLayerNorm, _ROW_NORM),
+    (QLayerNorm2d, _NORM_2D), (qnorm.QGroupNorm, _ROW_NORM), (QRMSNorm, _ROW_NORM),
     *((cls, _ACT) for cls in _DERIV), (QSoftmax, _SOFTMAX),
 )
 
