@@ -17,10 +17,15 @@ gradient is compared with ``--passes`` compressed gradients of each config:
   (``actnn_zoo.memory.compression_ratio``);
 * the ``actnn`` strategy's width per free layer class (its ``layer_budgets``).
 
+With ``--train STEPS`` it trains instead: from the same random init, on the same batches
+(AdamW, lr 1e-3), fp32 and each config for STEPS steps, and reports the validation loss over
+16 fixed batches at the end and its ratio to fp32's.
+
 One thread per process (``torch.set_num_threads``), deterministic seeds::
 
     PYTHONPATH=. .venv/bin/python scripts/default_hf_fidelity.py --model gpt2
     PYTHONPATH=. .venv/bin/python scripts/default_hf_fidelity.py --model llama --passes 8
+    PYTHONPATH=. .venv/bin/python scripts/default_hf_fidelity.py --train 400 --configs default
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import copy
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,7 +50,10 @@ from actnn_zoo.data import load_text_corpus, random_windows  # noqa: E402
 from actnn_zoo.memory import compression_ratio  # noqa: E402
 
 CONFIGS: Dict[str, dict] = {"default": {}, "uniform-2": {"bits": 2, "strategy": "uniform"},
-                            "uniform-4": {"bits": 4, "strategy": "uniform"}}
+                            "uniform-4": {"bits": 4, "strategy": "uniform"},
+                            "actnn-2": {"bits": 2, "strategy": "actnn"},
+                            "gact-2": {"bits": 2, "strategy": "gact"}}
+DEFAULT_CONFIGS = "default,uniform-2,uniform-4"
 
 
 class _Loss(nn.Module):
@@ -137,10 +145,34 @@ def measure(base: nn.Module, cfg: dict, ids: Tensor, exact: Dict[str, Tensor], p
     return rel, cos, saved, {k: sum(v) / len(v) for k, v in sorted(widths.items())}
 
 
+def train(init: nn.Module, cfg: Optional[dict], corpus: Any, steps: int, batch: int,
+          context: int, seed: int) -> float:
+    """Validation loss (16 fixed batches) after ``steps`` AdamW steps from ``init`` (converted
+    with ``cfg``; None: fp32), on the batches seed ``seed`` draws."""
+    torch.manual_seed(seed)
+    model = copy.deepcopy(init).train()
+    if cfg is not None:
+        model = az.convert_model(model, **cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, _y = random_windows(corpus.train, context, batch, gen)
+        opt.zero_grad(set_to_none=True)
+        model(x).backward()
+        opt.step()
+    model.eval()
+    val = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        losses = [float(model(random_windows(corpus.val, context, batch, val)[0]))
+                  for _ in range(16)]
+    return sum(losses) / len(losses)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help=f"any of {', '.join(CONFIGS)} (the last two: a plain 2-bit budget)")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
@@ -149,6 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--passes", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train", type=int, default=0, metavar="STEPS",
+                    help="train fp32 and each config for STEPS steps instead (see above)")
     args = ap.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -160,6 +194,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
     base = build(args.model, corpus.vocab_size, args.width, args.layers).train()
+    if args.train:
+        print(f"{args.model}: {args.layers} layers of width {args.width}, batch {args.batch} x "
+              f"{args.context} tokens, {args.train} AdamW steps from one init; validation "
+              f"loss over 16 batches; torch {torch.__version__}")
+        ref = train(base, None, corpus, args.train, args.batch, args.context, args.seed)
+        print(f"{'fp32':10s} | {ref:.4f}", flush=True)
+        for name in names:
+            loss = train(base, CONFIGS[name], corpus, args.train, args.batch, args.context,
+                         args.seed)
+            print(f"{name:10s} | {loss:.4f} | {100 * (loss / ref - 1):+.2f}% vs fp32",
+                  flush=True)
+        print(f"({time.perf_counter() - t0:.0f} s)")
+        return 0
     opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
     for _ in range(args.pretrain):
         x, _y = random_windows(corpus.train, args.context, args.batch, gen)

@@ -34,3 +34,16 @@ def test_an_unknown_config_is_named():
     mod = _script()
     with pytest.raises(SystemExit):
         mod.main(["--configs", "default,uniform-3"])
+
+
+def test_train_reports_each_configs_validation_loss_against_fp32(capsys):
+    mod = _script()
+    assert mod.main(["--model", "gpt2", "--width", "64", "--layers", "1", "--batch", "4",
+                     "--context", "32", "--train", "2", "--configs", "default"]) == 0
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
+            for line in capsys.readouterr().out.splitlines() if "|" in line}
+    assert list(rows) == ["fp32", "default"]
+    ref, loss = float(rows["fp32"][0]), float(rows["default"][0])
+    assert 0 < ref < 10 and 0 < loss < 10  # ln(vocab) ~ 4.6 at the start
+    assert float(rows["default"][1].split("%")[0]) == pytest.approx(100 * (loss / ref - 1),
+                                                                      abs=0.01)

@@ -283,6 +283,30 @@ def test_pinned_layers_keep_their_widths_and_the_rest_pays(monkeypatch):
         assert len(seen[m]) == 5 and all(not q.mixed and q.bits == width for q in seen[m])
 
 
+def test_pinned_layers_count_at_every_re_allocation(monkeypatch):
+    """A pinned layer records its values on the recording steps alone (the ones each
+    re-allocation reads): over 4 re-allocations (update_interval 3) with the batch size
+    changing, the realised average stays within the budget on every step after the first
+    solve, and a pinned layer's record is that of the last recording step."""
+    torch.manual_seed(0)
+    cfg = {"strategy": "actnn", "bits": 2, "update_interval": 3,
+           "rules": [{"name": "conv2", "bits": 4}, {"type": "BatchNorm2d", "bits": 1}]}
+    model = az.convert_model(Net(), cfg)
+    strategy = precision_strategy(model)
+    spy = CompressionSpy(monkeypatch)
+    sizes = [32, 16, 32, 24, 32, 16, 32, 32, 24, 16, 32, 32, 16]
+    for step, n in enumerate(sizes, start=1):
+        x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+        F.cross_entropy(model(x), y).backward()
+        calls = spy.take()
+        if step >= 3:
+            assert 0.95 * 2 <= average_bits(calls) <= 2 + 1e-9, (step, average_bits(calls))
+        last_recorded = max(s for s in range(1, step + 1) if s == 1 or s % 3 == 0)
+        w = next(w for w in strategy.watched if w.module is model.conv2)
+        assert w.stats.samples == sizes[last_recorded - 1], (step, w.stats.samples)
+    assert strategy.updates >= 4
+
+
 def test_pinned_layers_wider_than_the_budget_warn():
     model = az.convert_model(Net(), {"strategy": "actnn", "bits": 1,
                                      "rules": [{"type": "BatchNorm2d", "bits": 8}]})

@@ -55,7 +55,8 @@ counted them.
 Hooks: a forward pre-hook on the model root counts steps and re-allocates across layers; on
 each watched Q-layer a forward pre-hook computes the statistic and sets ``sample_bits``, and a
 forward hook puts a tensor hook on the output that records the output gradient's per-sample
-norms during backward (only on steps whose statistics the next re-allocation reads). Every
+norms during backward (only on steps whose statistics the next re-allocation reads; a pinned
+layer's pre-hook, which only counts its values, runs on those steps alone). Every
 hook is a bound method of an object owned by this strategy, so ``copy.deepcopy(model)`` gives
 an independent copy. A forward hook on the root (``always_call``) marks the end of its
 forward. State lives on the strategy (``model.actnn_zoo_precision``) and on the layers
@@ -159,15 +160,20 @@ class _Watched:
     # -- hooks ----------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Tuple) -> None:
         """Before the layer runs: record sizes; choose this batch's per-sample widths."""
+        # this thread's root training forward; None outside it (a checkpoint's recomputation
+        # in backward is not counted again)
+        fw: Optional[_Forward] = self.strategy.local.forward
+        if self.pinned_bits is not None and (fw is None or not fw.record_grads):
+            # A pinned layer's widths are its rule's; its record (the values it saved) is read
+            # only by the re-allocation, which reads a recording step's. So it records on those
+            # steps alone: GPT-2's default pins 50 layers, ~10 us each a step.
+            return
         x = args[0] if args else None
         if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
             # eval / no_grad: nothing is compressed; keep the last training statistics
             if self.pinned_bits is None:
                 set_sample_bits(module, None)
             return
-        # this thread's root training forward; None outside it (a checkpoint's recomputation
-        # in backward is not counted again)
-        fw: Optional[_Forward] = self.strategy.local.forward
         call = self._choose(module, x, fw)
         if call is not None and fw is not None and fw.record_grads:
             # post_hook has its output gradient measured (an entry a forward that raised
