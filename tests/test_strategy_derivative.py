@@ -124,23 +124,29 @@ def test_acgc_hands_its_derivative_on_too(monkeypatch):
 
 
 def test_fused_width_choice_equals_the_three_steps(monkeypatch):
-    """Conv and linear layers choose their per-sample widths in one compiled call on the CPU
-    (``_C.choose_widths``: the range statistic, its power, the widths); over steps past the
-    first re-allocations (a refitted exponent) the widths, hence codes and gradients, are those
-    of the three separate steps, bit for bit."""
+    """Every kind chooses its per-sample widths in one compiled call on the CPU
+    (``_C.choose_widths``: the range statistic of the tensor it compresses, its power, the
+    widths): conv and linear on their input, an activation on the f'(x) it then hands to the
+    layer, a layer norm on its normalised input. Over steps past the first re-allocations (a
+    refitted exponent) the widths, hence codes and gradients, are those of the three separate
+    steps, bit for bit."""
     import actnn_zoo.precision.actnn as A
     if A._CHOOSE is None:
         pytest.skip("no compiled extension")
     calls = []
     real = A._CHOOSE
-    monkeypatch.setattr(A, "_CHOOSE", lambda *a: calls.append(a[2] is not None) or real(*a))
+    monkeypatch.setattr(A, "_CHOOSE",
+                        lambda *a: calls.append((tuple(a[0].shape), a[2] is not None))
+                        or real(*a))
+    watched = (0, 3, 4, 5, 6)
 
     def run(fused: bool) -> list:
         if not fused:
             monkeypatch.setattr(A, "_CHOOSE", None)
         torch.manual_seed(0)
         model = az.convert_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(),
-                                               nn.Linear(8 * 36, 5)),
+                                               nn.Linear(8 * 36, 32), nn.GELU(),
+                                               nn.LayerNorm(32), nn.Linear(32, 5)),
                                  bits=2.5, strategy="actnn", update_interval=3)
         g = torch.Generator().manual_seed(1)
         out = []
@@ -150,11 +156,14 @@ def test_fused_width_choice_equals_the_three_steps(monkeypatch):
             torch.manual_seed(100 + step)
             model(x).square().sum().backward()
             out += [p.grad.clone() for p in model.parameters()]
-            out += [model[0].precision_stats.bits.clone(), model[3].precision_stats.bits.clone()]
+            out += [model[i].precision_stats.bits.clone() for i in watched]
             model.zero_grad()
         return out
     fused = run(True)
-    assert len(calls) == 16 and any(calls)  # both layers, every step; a fitted exponent later
+    # every watched layer, every step; a fitted exponent later; the GELU and the norm too
+    assert len(calls) == 8 * len(watched) and any(fitted for _, fitted in calls)
+    assert sum(shape == (6, 32) for shape, _ in calls) == 8 * 3  # linear 2's input, GELU, norm
     plain = run(False)
+    assert len(fused) == len(plain)
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)

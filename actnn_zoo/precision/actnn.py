@@ -87,8 +87,8 @@ from .base import PrecisionStrategy, TrackedLayer, hand_derivative, set_sample_b
 from .readback import DeferredRead
 from .rows import LayoutCache, RowLayout, host_tensor
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
-from .stats import (LayerKind, LayerStats, layer_kind, sample_grad_sq, saved_statistic,
-                    same_tensor)
+from .stats import (LayerKind, LayerStats, layer_kind, range_statistic, sample_grad_sq,
+                    same_tensor, saved_statistic, saved_tensor)
 
 __all__ = ["ActNNStrategy"]
 
@@ -241,20 +241,27 @@ class _Watched:
         fan = self.kind.fan(module, rows)
         group_size = module.qconfig.group_size  # type: ignore[attr-defined]
         extra = extra_bits(budget, n)  # host number: budget is a host float
-        if (_CHOOSE is not None and self.kind.saved is same_tensor
-                and rows.device.type == "cpu" and rows.dtype in _CHOOSE_DTYPES
-                and rows.is_contiguous() and not isinstance(extra, Tensor)):
+        # The tensor the layer compresses, made whole (None: the layer's Function makes it in
+        # chunks). f'(x), softmax(x), a norm's normalised input are not part of the model's
+        # graph; conv and linear inputs need no no_grad context (~10 Python calls): the kernels
+        # read their input detached.
+        with _NO_CONTEXT if self.kind.saved is same_tensor else torch.no_grad():
+            saved, made = saved_tensor(self.kind, module, rows)
+        if (saved is not None and _CHOOSE is not None and saved.device.type == "cpu"
+                and saved.dtype in _CHOOSE_DTYPES and saved.is_contiguous()
+                and not isinstance(extra, Tensor)):
             # the three steps below in one compiled call (the statistic, its power, the widths)
-            score, bits = _CHOOSE(rows, group_size, self.exponent, extra)
+            score, bits = _CHOOSE(saved, group_size, self.exponent, extra)
         else:
-            # f'(x), softmax(x) are not part of the model's graph; conv, linear and norms need
-            # no no_grad context (~10 Python calls): the kernels read their input detached
-            with _NO_CONTEXT if self.kind.saved is same_tensor else torch.no_grad():
-                score, made = saved_statistic(self.kind, module, rows, group_size)
-            hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
+            if saved is None:  # made in chunks, as the Function makes it
+                with torch.no_grad():
+                    score = saved_statistic(self.kind, module, rows, group_size)[0]
+            else:
+                score = range_statistic(saved, group_size)
             exponent = self.exponent
             expected = score if exponent is None else score.pow(exponent)
             bits = allocate_samples(expected, budget, self.strategy.table(score.device), extra)
+        hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
         if call is not None:
             call.range_sq, call.bits = score, bits
         self._record(fw, call, fan)

@@ -32,7 +32,7 @@ from ..quant.backend import extension
 from .base import set_sample_bits
 
 __all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq",
-           "saved_statistic"]
+           "saved_statistic", "saved_tensor"]
 
 
 @dataclass
@@ -297,26 +297,38 @@ _KINDS: Tuple[Tuple[type, LayerKind], ...] = (
 )
 
 
-def saved_statistic(kind: LayerKind, mod: nn.Module, rows: Tensor, group_size: int
-                    ) -> Tuple[Tensor, Optional[Tensor]]:
-    """(:func:`range_statistic` of the tensor ``mod`` compresses for input ``rows``, that
-    tensor when it exists only for this and the layer may use it, else None).
+def saved_tensor(kind: LayerKind, mod: nn.Module, rows: Tensor
+                 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(the tensor ``mod`` compresses for input ``rows``, made whole; that tensor again when the
+    layer may use it instead of making it, else None).
 
     An activation's f'(x) is made here from the input, as the layer's Function makes it: the
     layer is handed it (``ThreadWidths.hand_derivative``) instead of computing it a second
     time. Where the Function makes f'(x) a chunk of samples at a time (``compress_produced``:
-    a large map, whole it would set the forward's peak) this does too, and hands nothing on.
-    The statistic is per row, so it is the same either way."""
+    a large map, whole it would set the forward's peak) it is not made here: (None, None)."""
     if kind.saved is same_tensor:
-        return range_statistic(rows, group_size), None
+        return rows, None
     if kind.saved is _derivative:
-        bounds = produce_bounds(rows.shape)
-        if bounds is not None:
-            return torch.cat([range_statistic(_derivative(mod, rows[a:b]), group_size)
-                              for a, b in zip(bounds[:-1], bounds[1:])]), None
+        if produce_bounds(rows.shape) is not None:
+            return None, None
         d = _derivative(mod, rows)
-        return range_statistic(d, group_size), d
-    return range_statistic(kind.saved(mod, rows), group_size), None
+        return d, d
+    return kind.saved(mod, rows), None
+
+
+def saved_statistic(kind: LayerKind, mod: nn.Module, rows: Tensor, group_size: int
+                    ) -> Tuple[Tensor, Optional[Tensor]]:
+    """(:func:`range_statistic` of the tensor ``mod`` compresses for input ``rows``, that
+    tensor when the layer may use it, else None; see :func:`saved_tensor`). An f'(x) the
+    Function makes in chunks is made in the same chunks here; the statistic is per row, so it
+    is the same either way."""
+    saved, made = saved_tensor(kind, mod, rows)
+    if saved is None:
+        bounds = produce_bounds(rows.shape)
+        assert bounds is not None
+        return torch.cat([range_statistic(_derivative(mod, rows[a:b]), group_size)
+                          for a, b in zip(bounds[:-1], bounds[1:])]), None
+    return range_statistic(saved, group_size), made
 
 
 def layer_kind(module: nn.Module) -> Optional[LayerKind]:
