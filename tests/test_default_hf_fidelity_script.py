@@ -30,10 +30,12 @@ def test_the_default_allocates_gpt2s_conv1d_between_the_uniform_widths(capsys):
     assert all(0.9 < float(v[3]) <= 1.0 for k, v in rows.items() if k != "config")
 
 
-def test_an_unknown_config_is_named():
+def test_an_unknown_config_is_named(capsys):
     mod = _script()
     with pytest.raises(SystemExit):
         mod.main(["--configs", "default,uniform-3"])
+    err = capsys.readouterr().err
+    assert "unknown config(s) ['uniform-3']" in err and "gact-2" in err
 
 
 def test_train_reports_each_configs_validation_loss_against_fp32(capsys):

@@ -87,8 +87,8 @@ from .base import PrecisionStrategy, TrackedLayer, hand_derivative, set_sample_b
 from .readback import DeferredRead
 from .rows import LayoutCache, RowLayout, host_tensor
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
-from .stats import (LayerKind, LayerStats, layer_kind, range_statistic, sample_grad_sq,
-                    same_tensor, saved_statistic, saved_tensor)
+from .stats import (LayerKind, LayerStats, chunked_statistic, layer_kind, range_statistic,
+                    sample_grad_sq, same_tensor, saved_tensor)
 
 __all__ = ["ActNNStrategy"]
 
@@ -255,7 +255,7 @@ class _Watched:
         else:
             if saved is None:  # made in chunks, as the Function makes it
                 with torch.no_grad():
-                    score = saved_statistic(self.kind, module, rows, group_size)[0]
+                    score = chunked_statistic(module, rows, group_size)
             else:
                 score = range_statistic(saved, group_size)
             exponent = self.exponent

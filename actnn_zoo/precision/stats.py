@@ -32,7 +32,7 @@ from ..quant.backend import extension
 from .base import set_sample_bits
 
 __all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq",
-           "saved_statistic", "saved_tensor"]
+           "saved_statistic", "saved_tensor", "chunked_statistic"]
 
 
 @dataclass
@@ -324,11 +324,17 @@ def saved_statistic(kind: LayerKind, mod: nn.Module, rows: Tensor, group_size: i
     is the same either way."""
     saved, made = saved_tensor(kind, mod, rows)
     if saved is None:
-        bounds = produce_bounds(rows.shape)
-        assert bounds is not None
-        return torch.cat([range_statistic(_derivative(mod, rows[a:b]), group_size)
-                          for a, b in zip(bounds[:-1], bounds[1:])]), None
+        return chunked_statistic(mod, rows, group_size), None
     return range_statistic(saved, group_size), made
+
+
+def chunked_statistic(mod: nn.Module, rows: Tensor, group_size: int) -> Tensor:
+    """:func:`range_statistic` of an activation's f'(x) made in the chunks of samples its
+    Function makes it in (where :func:`saved_tensor` gives None)."""
+    bounds = produce_bounds(rows.shape)
+    assert bounds is not None
+    return torch.cat([range_statistic(_derivative(mod, rows[a:b]), group_size)
+                      for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 def layer_kind(module: nn.Module) -> Optional[LayerKind]:
