@@ -13,6 +13,8 @@ import warnings
 from typing import Optional
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -688,11 +690,18 @@ class _CallCounter(TorchFunctionMode):
 
 
 def _ask_by(mp: pytest.MonkeyPatch, ask: str) -> None:
-    """How call_unrouted finds the innermost mode: the extension's read of the mode stack
-    (the default, which must be there), or the probe call of builds without it."""
+    """How call_unrouted runs: the extension's one call (``_C.call_without_mode``, the
+    default, which must be there), or its Python twin, which finds the innermost mode by the
+    extension's read of the mode stack ("stack") or by the probe call of builds without the
+    extension ("probe")."""
     from actnn_zoo.capture import mode as M
+    from actnn_zoo.nn import _base
 
     assert M._innermost is not M._innermost_by_probe
+    assert M.call_unrouted is not M.call_unrouted_python
+    if ask in ("stack", "probe"):
+        mp.setattr(M, "call_unrouted", M.call_unrouted_python)
+        mp.setattr(_base, "call_unrouted", M.call_unrouted_python)
     if ask == "probe":
         mp.setattr(M, "_innermost", M._innermost_by_probe)
 
@@ -716,7 +725,7 @@ def _spy_on_capture_mode(mp: pytest.MonkeyPatch, seen: list) -> None:
     mp.setattr(M.CaptureMode, "__init__", spying_init)
 
 
-@pytest.mark.parametrize("ask", ["stack", "probe"])
+@pytest.mark.parametrize("ask", ["compiled", "stack", "probe"])
 def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them(ask):
     """A Q-layer's own torch calls are not handed to the capture mode (capture.mode
     call_unrouted: the mode would cost a Python call each); a mode the user enters inside the
@@ -755,7 +764,7 @@ def test_q_layers_run_outside_the_capture_mode_but_user_modes_see_them(ask):
     assert q.lin.weight.grad is not None
 
 
-@pytest.mark.parametrize("ask", ["stack", "probe"])
+@pytest.mark.parametrize("ask", ["compiled", "stack", "probe"])
 def test_a_q_layer_that_raises_leaves_the_capture_mode_on_the_stack(ask):
     """call_unrouted takes the capture mode off the stack while a Q-layer runs and puts it back
     also when the layer raises: a forward that catches the error keeps routing its calls,
@@ -787,14 +796,16 @@ def test_a_q_layer_that_raises_leaves_the_capture_mode_on_the_stack(ask):
     assert model.lin.weight.grad is not None
 
 
-@pytest.mark.parametrize("ask", ["stack", "probe"])
+@pytest.mark.parametrize("ask", ["compiled", "stack", "probe"])
 def test_call_unrouted_without_a_capture_mode_runs_plainly(ask, monkeypatch):
     """No mode, or a user's mode innermost (also above a capture mode): ``fn`` runs as it is,
     and the user's mode stays on the stack for it (it sees the calls ``fn`` makes)."""
+    from actnn_zoo.capture import mode as M
     from actnn_zoo.capture.handlers import HANDLERS
-    from actnn_zoo.capture.mode import CaptureMode, call_unrouted
+    from actnn_zoo.capture.mode import CaptureMode
 
     _ask_by(monkeypatch, ask)
+    call_unrouted = M.call_unrouted
     x = torch.randn(3)
     assert call_unrouted(torch.add, x, x, alpha=2).equal(x + 2 * x)
     probe = 1 if ask == "probe" else 0
@@ -903,3 +914,56 @@ def test_a_captured_step_leaves_no_reference_cycles():
         gc.garbage.clear()
         if enabled:
             gc.enable()
+
+
+_SAVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
+                torch.int64, torch.bool)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_SAVE_DTYPES), st.integers(0, 700),
+                          st.sampled_from(["plain", "view", "expanded", "param"])),
+                max_size=8),
+       st.sampled_from([0, 1, 256, 512]))
+def test_count_saves_matches_its_python_twin(specs, min_numel):
+    """The store's count of the tensors a zoo Function saves (``_C.count_saves``) equals its
+    Python twin (``capture.store.count_saves``) on every dtype, size and view: the same
+    counts and bytes, and the same large floating / bool tensors marked by storage address
+    with a weak reference to the tensor itself."""
+    from actnn_zoo.capture.store import count_saves
+    from actnn_zoo.quant.backend import extension
+
+    tensors = []
+    for dtype, n, kind in specs:
+        t = torch.zeros(n + 2, dtype=dtype)
+        if kind == "view":
+            t = t[1:]  # an offset into its storage: the key is the storage's address
+        elif kind == "expanded":
+            t = t[:1].expand(n + 2)  # one value's storage, n + 2 elements counted
+        elif kind == "param" and dtype.is_floating_point:
+            t = nn.Parameter(t)
+        tensors.append(t)
+    tensors = tuple(tensors)
+    kept_c, kept_py = {}, {}
+    assert (extension().count_saves(tensors, min_numel, kept_c)
+            == count_saves(tensors, min_numel, kept_py))
+    assert kept_c.keys() == kept_py.keys()
+    for key, ref in kept_c.items():
+        assert ref() is kept_py[key]()
+
+
+def test_count_saves_names_what_is_not_a_tensor():
+    from actnn_zoo.quant.backend import extension
+
+    with pytest.raises(TypeError, match="item 1 is a list"):
+        extension().count_saves((torch.zeros(3), [1]), 0, {})
+    with pytest.raises(TypeError, match="3 arguments"):
+        extension().count_saves([torch.zeros(3)], 0, {})
+
+
+def test_call_without_mode_needs_the_mode_type_and_the_function():
+    from actnn_zoo.quant.backend import extension
+
+    with pytest.raises(TypeError, match="at least 2 positional"):
+        extension().call_without_mode(TorchFunctionMode)
+    assert extension().call_without_mode(TorchFunctionMode, max, 3, 5, key=None) == 5

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
@@ -24,7 +25,8 @@ from .._torch_private import inside_checkpoint
 from ..quant.backend import extension
 from .handlers import Handler
 
-__all__ = ["CaptureMode", "call_unrouted", "in_routed_segment", "routed_segment"]
+__all__ = ["CaptureMode", "call_unrouted", "call_unrouted_python", "in_routed_segment",
+           "routed_segment"]
 
 # Without the extension, call_unrouted's probe: ``_PROBE.dim()`` reaches the innermost torch
 # function mode through torch's C++ dispatch (~1.5 us); the capture mode answers it with itself
@@ -96,9 +98,12 @@ class CaptureMode(TorchFunctionMode):
         return handler(self.session, func, args, kwargs)
 
 
-def call_unrouted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def call_unrouted_python(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` with the capture mode off the stack when it is the innermost
-    torch function mode; otherwise plainly.
+    torch function mode; otherwise plainly. :data:`call_unrouted` is this function, or with
+    the extension the same steps in one compiled call (``_C.call_without_mode``): every
+    Q-layer call of a session goes through here, and this function's Python (five frames with
+    the mode's ``__exit__`` and ``__enter__``) cost about two microseconds of it.
 
     Only for code that must not be routed (a Q-layer that saves through its own Function):
     nothing inside is routed or pays the mode's per-call cost. The innermost mode is read from
@@ -134,3 +139,11 @@ _PROBE_CODE = _innermost_by_probe.__code__
 # extension (cpp_ext/stacks.cpp); without it, the probe.
 _innermost: Callable[[], Any] = (getattr(extension(), "innermost_function_mode", None)
                                  or _innermost_by_probe)
+
+# call_unrouted(fn, *args, **kwargs): call_unrouted_python's steps (the innermost mode popped
+# when it is a CaptureMode, pushed back after fn, also when fn raises), in C
+# (cpp_ext/stacks.cpp); call_unrouted_python itself without the extension
+_call_without_mode = getattr(extension(), "call_without_mode", None)
+call_unrouted: Callable[..., Any] = (
+    functools.partial(_call_without_mode, CaptureMode) if _call_without_mode is not None
+    else call_unrouted_python)

@@ -46,10 +46,6 @@ _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
-def _module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return _nn_call(module, *args, **kwargs)
-
-
 class QModule:
     """Mixin for Q-layers. Subclasses list the torch class they replace in ``_FLOAT_MODULE``.
 
@@ -85,7 +81,7 @@ class QModule:
             return _nn_call(self, *args, **kwargs)
         call = self.__dict__.get("_az_watch")  # precision.base.WATCH_ATTR
         if active_session() is not None and self.quantizing():
-            return call_unrouted(_module_call if call is None else call, self, *args, **kwargs)
+            return call_unrouted(_nn_call if call is None else call, self, *args, **kwargs)
         if call is None:
             return _nn_call(self, *args, **kwargs)
         return call(self, *args, **kwargs)
