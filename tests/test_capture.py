@@ -573,6 +573,55 @@ def test_attention_routed_with_at_least_four_bits():
     assert sizes[4] - sizes[2] == 2 * 128 * 64 * 2 // 8 and sizes[4] < sizes[8], sizes
 
 
+class _AttentionCall(nn.Module):
+    """One F.scaled_dot_product_attention call with the arguments given (q, k, v from x)."""
+
+    def __init__(self, call) -> None:
+        super().__init__()
+        self.qkv, self.call = nn.Linear(16, 48), call
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.call(q, k, v)
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+    lambda q, k, v: F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True,
+                                                   scale=0.3),
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, value=v, attn_mask=None,
+                                                   dropout_p=0.0, enable_gqa=False),
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, None, 0.0, True),
+])
+def test_attention_arguments_route_in_any_form(call):
+    """Positional or keyword, every argument reaches the routed attention as torch reads it:
+    the output is torch's (8 bits: q, k, v saved, the forward exact)."""
+    torch.manual_seed(0)
+    ref = _AttentionCall(call)
+    x = torch.randn(2, 8, 16)
+    q = az.convert_model(copy.deepcopy(ref), bits=8, strategy="uniform")
+    torch.testing.assert_close(q(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert az.capture_report(q).routed == {"scaled_dot_product_attention": 1}
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, query=q),  # query twice
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, causal=True),  # no such argument
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, None, 0.0, False, 0.5),  # scale
+])
+def test_attention_calls_torch_rejects_raise_torchs_error(call):
+    """A call torch rejects is handed to torch, which raises its own error (not routed with
+    one reading of the arguments)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    with pytest.raises(TypeError) as expected:
+        _AttentionCall(call)(x)
+    q = az.convert_model(_AttentionCall(call), bits=8, strategy="uniform")
+    with pytest.raises(TypeError) as got:
+        q(x)
+    assert str(got.value) == str(expected.value)
+
+
 # ----------------------------------------------------------------------------- real models
 def _hf_models():
     T = pytest.importorskip("transformers")

@@ -35,7 +35,7 @@ through the store) is the same saving, unbiased, with no extra code.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -240,22 +240,46 @@ def _cross_entropy(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, 
                            qconfig=session.qconfig)
 
 
+# F.scaled_dot_product_attention's arguments: their positions and defaults (None where torch
+# requires the argument: a call without it is handed to torch, which raises); the first six
+# may be positional, scale and enable_gqa are keyword-only
+_SDPA_POSITIONAL = 6
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+_SDPA_INDEX = {name: i for i, name in enumerate(
+    ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))}
+
+
+def _bind(args: Tuple, kwargs: Dict[str, Any], index: Mapping[str, int],
+          defaults: Tuple[Any, ...], positional: int) -> Optional[List[Any]]:
+    """The call's arguments in signature order, defaults filled in; None when it passes one
+    the signature lacks, more than ``positional`` positionally, or one twice (torch then
+    raises its own error). One pass where ``_arg`` per argument costs a call each."""
+    n = len(args)
+    if n > positional:
+        return None
+    bound = list(args) + list(defaults[n:])
+    for name, value in kwargs.items():
+        i = index.get(name)
+        if i is None or i < n:
+            return None
+        bound[i] = value
+    return bound
+
+
 def _attention(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
     from ..functional import attention as A
 
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-             "enable_gqa")
-    q, k, v = (_arg(args, kwargs, i, n, None) for i, n in enumerate(names[:3]))
-    mask = _arg(args, kwargs, 3, "attn_mask", None)
-    if not _only(args, kwargs, names) or not any(_saves(t) for t in (q, k, v, mask)):
+    bound = _bind(args, kwargs, _SDPA_INDEX, _SDPA_DEFAULTS, _SDPA_POSITIONAL)
+    if bound is None:
+        return func(*args, **kwargs)
+    q, k, v, mask, p, causal, scale, gqa = bound
+    if not (_saves(q) or _saves(k) or _saves(v) or _saves(mask)):
         return func(*args, **kwargs)
     if not all(type(t) is Tensor and t.dtype in _COMPRESSIBLE for t in (q, k, v)):
         return func(*args, **kwargs)
     session.stats.route("scaled_dot_product_attention")
     return A.scaled_dot_product_attention(
-        q, k, v, mask, float(_arg(args, kwargs, 4, "dropout_p", 0.0)),
-        bool(_arg(args, kwargs, 5, "is_causal", False)), _arg(args, kwargs, 6, "scale", None),
-        bool(_arg(args, kwargs, 7, "enable_gqa", False)),
+        q, k, v, mask, float(p), bool(causal), scale, bool(gqa),
         qconfig=session.qconfig, bits=max(int(session.qconfig.bits), ATTENTION_MIN_BITS))
 
 

@@ -80,7 +80,9 @@ class QModule:
         if _is_compiling():
             return _nn_call(self, *args, **kwargs)
         call = self.__dict__.get("_az_watch")  # precision.base.WATCH_ATTR
-        if active_session() is not None and self.quantizing():
+        # quantizing(), inlined: not compiling is known here (three calls less per layer call)
+        if (active_session() is not None and self.training and self.qconfig.enabled
+                and _grad_enabled()):
             return call_unrouted(_nn_call if call is None else call, self, *args, **kwargs)
         if call is None:
             return _nn_call(self, *args, **kwargs)
