@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Host cost counted in CPU instructions: the step of ``scripts/bench_host_cost.py``, run under
+valgrind's callgrind, reported as instructions per step, deterministic to the instruction.
+
+Why: the host cost is what the library adds on the host per step, and on this project's
+shared 2-core machines a step's time moves by 10-30% between runs of the same code (thread
+CPU time included: the neighbours share caches and cores), more than most changes to the glue
+move it. Instructions executed do not move: the same build, model and seed give the same count
+in every run, so a change of a few percent is read off one run of each side. They are a proxy
+of time, not time: a cache miss costs one instruction's count, and the Python interpreter's
+instructions are cheaper on average than a kernel's. Use them for A/B of host-side changes;
+report time from ``bench_host_cost.py``.
+
+Each (model, mode) runs in its own process under ``valgrind --tool=callgrind --cache-sim=no``
+(about 50x slower than native: ~4 minutes for GPT-2 and ~10 for ResNet-50 a mode, mostly
+importing torch). The process builds the step as ``bench_host_cost.build_steps`` does (one
+torch thread, OpenMP and MKL at one thread so that no worker spins), runs ``--warmup`` steps,
+calls ``os.getppid()`` -- callgrind zeroes its counters on entering ``getppid``
+(``--zero-before``) -- runs ``--steps`` steps and leaves with ``os._exit``, so the count at exit
+is the timed steps' alone (plus a few thousand instructions of the exit). With the default
+strategy, 10 steps are one whole cycle of its periodic steps (a recording and a
+re-allocation), so the count is that of the mean step.
+
+    .venv/bin/python scripts/bench_host_instructions.py --models gpt2 --modes fp32,default
+    .venv/bin/python scripts/bench_host_instructions.py --jobs 2      # two processes at once
+
+Needs ``valgrind`` on the PATH.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODELS = ("gpt2", "resnet50")
+DEFAULT_MODES = ("fp32", "default", "uniform-2", "no-capture")
+# One thread everywhere: a spinning OpenMP or MKL worker would add instructions that depend on
+# scheduling; a fixed hash seed fixes dict and set layouts.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+
+def worker(model: str, mode: str, warmup: int, steps: int) -> None:
+    """Build the step, warm up, mark the start (``os.getppid``), run ``steps`` steps, exit."""
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    import bench_host_cost as b
+
+    torch.set_num_threads(1)
+    step = b.build_steps(model, [mode])[0][mode]
+    for _ in range(warmup):
+        step()
+    os.getppid()  # callgrind: --zero-before=getppid
+    for _ in range(steps):
+        step()
+    sys.stdout.flush()
+    os._exit(0)  # the count at exit is the steps' (no interpreter shutdown)
+
+
+def count(model: str, mode: str, warmup: int, steps: int, python: str,
+          valgrind: str) -> Tuple[int, str]:
+    """(instructions of ``steps`` steps, the worker's output) for one (model, mode)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        cmd = [valgrind, "--tool=callgrind", "--cache-sim=no", "--zero-before=getppid",
+               f"--callgrind-out-file={out}", python, str(Path(__file__).resolve()), "--worker",
+               "--models", model, "--modes", mode, "--warmup", str(warmup), "--steps",
+               str(steps)]
+        env = {**os.environ, **WORKER_ENV}
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if run.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{model}/{mode}: the worker failed (rc {run.returncode}):\n"
+                               f"{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+        match = re.search(r"^summary:\s*(\d+)", out.read_text(), re.MULTILINE)
+        if match is None:
+            raise RuntimeError(f"{model}/{mode}: no summary line in callgrind's output")
+        return int(match.group(1)), run.stdout
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="modes of scripts/bench_host_cost.py (fp32 is always counted)")
+    p.add_argument("--warmup", type=int, default=15, help="steps before counting")
+    p.add_argument("--steps", type=int, default=10, help="counted steps")
+    p.add_argument("--jobs", type=int, default=1, help="processes at once")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.worker:
+        worker(models[0], modes[0], args.warmup, args.steps)
+        return 0  # not reached: the worker leaves with os._exit
+    if args.steps < 1 or args.warmup < 0 or args.jobs < 1:
+        p.error("--steps and --jobs must be >= 1 and --warmup >= 0")
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        p.error("valgrind is not on the PATH (Debian: apt-get install valgrind)")
+    sys.path.insert(0, str(HERE))
+    import bench_host_cost as b
+
+    for m in models:
+        if m not in b.MODELS:
+            p.error(f"unknown model {m!r}; known: {', '.join(b.MODELS)}")
+    for m in modes:
+        if m not in b.MODES:
+            p.error(f"unknown mode {m!r}; known: {', '.join(b.MODES)}")
+    if "fp32" not in modes:
+        modes.insert(0, "fp32")
+    jobs = [(model, mode) for model in models for mode in modes]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda job: count(*job, args.warmup, args.steps,
+                                                  sys.executable, valgrind), jobs))
+    counts: Dict[Tuple[str, str], int] = {job: n for job, (n, _) in zip(jobs, results)}
+    print(f"instructions per step (callgrind, {args.steps} steps after {args.warmup}; "
+          f"deterministic), and over fp32's")
+    for model in models:
+        base = counts[(model, "fp32")] / args.steps
+        rows: List[str] = [f"\n{model}", f"{'mode':18s}| {'M instr/step':>12s} | "
+                           f"{'x fp32':>7s} | {'extra M/step':>12s}"]
+        for mode in modes:
+            per = counts[(model, mode)] / args.steps
+            rows.append(f"{mode:18s}| {per / 1e6:12.2f} | {per / base:7.3f} | "
+                        f"{(per - base) / 1e6:12.2f}")
+        print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
