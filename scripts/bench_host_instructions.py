@@ -5,8 +5,9 @@ valgrind's callgrind, reported as instructions per step, deterministic to the in
 Why: the host cost is what the library adds on the host per step, and on this project's
 shared 2-core machines a step's time moves by 10-30% between runs of the same code (thread
 CPU time included: the neighbours share caches and cores), more than most changes to the glue
-move it. Instructions executed do not move: the same build, model and seed give the same count
-in every run, so a change of a few percent is read off one run of each side. They are a proxy
+move it. Instructions executed barely move (a small loop counted twice gave the same count;
+GPT-2's fp32 step in two checkouts 78.62M and 78.64M), so a change of a few percent is read
+off one run of each side. They are a proxy
 of time, not time: a cache miss costs one instruction's count, and the Python interpreter's
 instructions are cheaper on average than a kernel's. Use them for A/B of host-side changes;
 report time from ``bench_host_cost.py``.
@@ -121,8 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = list(pool.map(lambda job: count(*job, args.warmup, args.steps,
                                                   sys.executable, valgrind), jobs))
     counts: Dict[Tuple[str, str], int] = {job: n for job, (n, _) in zip(jobs, results)}
-    print(f"instructions per step (callgrind, {args.steps} steps after {args.warmup}; "
-          f"deterministic), and over fp32's")
+    print(f"instructions per step (callgrind, {args.steps} steps after {args.warmup}), "
+          f"and over fp32's")
     for model in models:
         base = counts[(model, "fp32")] / args.steps
         rows: List[str] = [f"\n{model}", f"{'mode':18s}| {'M instr/step':>12s} | "
