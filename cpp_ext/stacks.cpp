@@ -9,11 +9,14 @@
 // Python frames: running a layer with the capture mode off the mode stack
 // (call_without_mode), and counting the tensors a zoo Function saves on purpose
 // (count_saves). Both take CPython's fast-call convention: a pybind11 binding's argument
-// parsing would cost about what the Python it replaces did.
+// parsing would cost about what the Python it replaces did. Without pybind11 nothing turns a
+// C++ exception into a Python one, so each body runs inside torch's HANDLE_TH_ERRORS (a
+// tensor without storage, say, raises NotImplementedError as in Python, not abort()).
 #include "stacks.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/SavedTensorHooks.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -32,6 +35,7 @@ bool hooks_run(const at::impl::SavedTensorDefaultHooksTLS& tls) {
 // TorchFunctionMode versions only pop and push the stack.
 PyObject* call_without_mode(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs,
                             PyObject* kwnames) {
+  HANDLE_TH_ERRORS
   if (nargs < 2) {
     PyErr_SetString(PyExc_TypeError,
                     "call_without_mode(mode_type, fn, *args, **kwargs) takes at least 2 "
@@ -55,6 +59,7 @@ PyObject* call_without_mode(PyObject* /*self*/, PyObject* const* args, Py_ssize_
       PyObject_Vectorcall(fn, args + 2, static_cast<size_t>(nargs - 2), kwnames);
   if (popped) PythonTorchFunctionTLS::push_onto_stack(std::move(popped));
   return result;
+  END_HANDLE_TH_ERRORS
 }
 
 // count_saves(tensors, min_numel, kept) -> (n_small, bytes_small, n_big, bytes_big): the
@@ -62,6 +67,7 @@ PyObject* call_without_mode(PyObject* /*self*/, PyObject* const* args, Py_ssize_
 // is strided and floating or bool is entered in the dict kept as {storage address: weak
 // reference}. actnn_zoo.capture.store.CompressedStore._count_kept's loop, which it replaces.
 PyObject* count_saves(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (nargs != 3 || !PyTuple_Check(args[0]) || !PyDict_Check(args[2])) {
     PyErr_SetString(PyExc_TypeError,
                     "count_saves(tensors: tuple, min_numel: int, kept: dict) takes 3 arguments");
@@ -103,6 +109,7 @@ PyObject* count_saves(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
     }
   }
   return Py_BuildValue("(LLLL)", n_small, b_small, n_big, b_big);
+  END_HANDLE_TH_ERRORS
 }
 
 static PyMethodDef kCallWithoutMode = {

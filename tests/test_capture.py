@@ -1001,6 +1001,18 @@ def test_count_saves_matches_its_python_twin(specs, min_numel):
         assert ref() is kept_py[key]()
 
 
+def test_count_saves_raises_where_its_python_twin_raises():
+    """A tensor without storage (a vmap-batched one) raises torch's NotImplementedError in the
+    compiled count as in its twin: a C++ error out of a CPython function would abort the
+    process (it did, before the body ran inside HANDLE_TH_ERRORS)."""
+    from actnn_zoo.capture.store import count_saves
+    from actnn_zoo.quant.backend import extension
+
+    for fn in (extension().count_saves, count_saves):
+        with pytest.raises(NotImplementedError, match="storage"):
+            torch.func.vmap(lambda x: x + len(fn((x,), 0, {})))(torch.zeros(2, 3))
+
+
 def test_count_saves_names_what_is_not_a_tensor():
     from actnn_zoo.quant.backend import extension
 

@@ -70,11 +70,6 @@ _KEPT_REASON = "saved by a zoo Function"  # CaptureStats.passed's reason for kee
 # keep_own's _saving: empty and read-only (pack tests it is empty; a write would raise)
 _NOTHING: Mapping[int, Tensor] = MappingProxyType({})
 _HOOKS_ACTIVE: Optional[Callable[[], bool]] = getattr(extension(), "saved_hooks_active", None)
-# _count_kept's loop in one compiled call (cpp_ext/stacks.cpp): ~12 Python calls less per
-# zoo Function call; None without the extension
-_COUNT_SAVES: Optional[Callable[[Tuple[Tensor, ...], int, Dict[int, Any]],
-                                Tuple[int, int, int, int]]] = getattr(
-    extension(), "count_saves", None)
 
 
 def count_saves(tensors: Tuple[Tensor, ...], min_numel: int, kept: Dict[int, Any]
@@ -95,6 +90,12 @@ def count_saves(tensors: Tuple[Tensor, ...], min_numel: int, kept: Dict[int, Any
         if t.layout == _STRIDED and (t.is_floating_point() or t.dtype == _BOOL):
             kept[_storage_ptr(t)] = weakref.ref(t)
     return n_small, b_small, n_big, b_big
+
+
+# count_saves in one compiled call (cpp_ext/stacks.cpp): ~12 Python calls less per zoo
+# Function call; the Python twin above without the extension
+_COUNT_SAVES: Callable[[Tuple[Tensor, ...], int, Dict[int, Any]], Tuple[int, int, int, int]] = (
+    getattr(extension(), "count_saves", None) or count_saves)
 
 
 @dataclass
@@ -512,10 +513,7 @@ class CompressedStore:
     def _count_kept(self, tensors: Tuple[Tensor, ...]) -> None:
         """Count :meth:`keep`'s tensors in ``CaptureStats.passed``, and list the large float
         and bool ones among the tensors tier 3 passes through (``_kept``)."""
-        if _COUNT_SAVES is not None:
-            n_small, b_small, n_big, b_big = _COUNT_SAVES(tensors, self.min_numel, self._kept)
-        else:
-            n_small, b_small, n_big, b_big = count_saves(tensors, self.min_numel, self._kept)
+        n_small, b_small, n_big, b_big = _COUNT_SAVES(tensors, self.min_numel, self._kept)
         passed = self.stats.passed
         if n_small:
             entry = passed.get("small")
