@@ -12,8 +12,10 @@
 #include <ATen/Context.h>
 #include <ATen/record_function.h>
 #include <algorithm>
+#include <cstdlib>
 #include <c10/core/DeviceGuard.h>
 #include <mutex>
+#include <string>
 #include <pybind11/stl.h>
 
 namespace py = pybind11;
@@ -389,6 +391,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   actnn_zoo::register_qlayers(m);  // qlinear, qconv: the C++ autograd nodes of the layers
   actnn_zoo::register_stacks(m);  // saved_hooks_top_is, innermost_function_mode
   actnn_zoo::register_loss(m);  // cross_entropy_rows_forward / _backward (CPU)
+  m.def(
+      "env_flag",
+      [](const std::string& name) {
+        // quant.api.env_flag's rule: the value with surrounding ASCII whitespace dropped,
+        // ASCII case ignored, is 1, true, yes or on. Read at every call (getenv sees what
+        // os.environ sets: it calls putenv): ~0.1 us where os.environ.get costs ~0.7 when
+        // unset (a KeyError inside), and quantize asks at every call.
+        const char* raw = std::getenv(name.c_str());
+        if (raw == nullptr) return false;
+        std::string v(raw);
+        const char* space = " \t\n\r\v\f";
+        const auto first = v.find_first_not_of(space);
+        if (first == std::string::npos) return false;
+        v = v.substr(first, v.find_last_not_of(space) - first + 1);
+        for (char& c : v) {
+          if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+        }
+        return v == "1" || v == "true" || v == "yes" || v == "on";
+      },
+      py::arg("name"),
+      "Whether the environment variable name is set to 1/true/yes/on (ASCII case and "
+      "surrounding ASCII whitespace ignored), read now.");
   m.def("cpu_isa", &actnn_zoo::cpu_isa,
         "The instruction set the CPU kernels' loops run with: 'avx2' or 'baseline' (portable "
         "build, chosen at the first call from the CPU and ACTNN_ZOO_CPU_ISA), 'native'.");

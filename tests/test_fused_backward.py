@@ -227,6 +227,41 @@ def test_debug_flag_reads_environment(monkeypatch):
     assert debug_checks(True)
 
 
+_FLAG_VALUES = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+            max_size=8),
+    st.builds(lambda pad1, word, pad2: pad1 + word + pad2,
+              st.text(" \t\n\r\x0b\x0c\xa0\u2003", max_size=3),
+              st.sampled_from(["1", "true", "TRUE", "Yes", "oN", "on", "0", "no", "off", "2",
+                               "tru", "yes!", "\u212aon"]),
+              st.text(" \t\n\r\x0b\x0c\xa0", max_size=3)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.one_of(st.none(), _FLAG_VALUES))
+def test_env_flag_compiled_reads_as_its_python_twin(value):
+    """quant.api.env_flag (the extension's getenv, what debug_checks asks at every quantize)
+    answers as env_flag_python for any value, unset included: 1/true/yes/on with ASCII case
+    and surrounding ASCII whitespace ignored, nothing else (a no-break space around "on" is
+    not whitespace to either)."""
+    import os
+
+    from actnn_zoo.quant import api
+
+    C = compiled_extension("env_flag")
+    assert api.env_flag is C.env_flag
+    name = "ACTNN_ZOO_TEST_FLAG"
+    with pytest.MonkeyPatch.context() as mp:
+        if value is None:
+            mp.delenv(name, raising=False)
+        else:
+            mp.setenv(name, value)
+        want = value is not None and value.strip(" \t\n\r\x0b\x0c").lower() in (
+            "1", "true", "yes", "on") and value.isascii()
+        assert api.env_flag_python(name) == want
+        assert C.env_flag(name) == want, (value, os.environ.get(name))
+
+
 @pytest.mark.parametrize("how", ["argument", "environment"])
 def test_dequantize_validates_widths(how, monkeypatch):
     x, q = _mixed_q()

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..functional import activation, attention, dropout, loss, norm, softmax
+
 __all__ = ["ATTENTION_MIN_BITS", "HANDLERS", "Handler"]
 
 # The fewest bits routed attention saves q, k, v with (docs/design.md, "Capture"): the
@@ -72,8 +74,6 @@ def _saves(x: Any) -> bool:
 # -- softmax family -------------------------------------------------------------------------
 def _softmax_like(fn_name: str):
     def handler(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-        from ..functional import softmax as S
-
         x = args[0] if args else kwargs.get("input", kwargs.get("self"))
         dim = _arg(args, kwargs, 1, "dim", None)
         dtype = kwargs.get("dtype")
@@ -84,7 +84,7 @@ def _softmax_like(fn_name: str):
             x = x.to(dtype)
             if not _saves(x):
                 return func(*args, **kwargs)
-        fn = S.SoftmaxFunction if fn_name == "softmax" else S.LogSoftmaxFunction
+        fn = softmax.SoftmaxFunction if fn_name == "softmax" else softmax.LogSoftmaxFunction
         session.stats.route(fn_name)
         return fn.apply(x, dim, session.qconfig, None)
     return handler
@@ -94,8 +94,6 @@ def _softmax_like(fn_name: str):
 def _mask_act(op: str, inplace_default: bool = False):
     """relu / leaky_relu / hardtanh / relu6 (and their in-place forms)."""
     def handler(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-        from ..functional import activation as A
-
         x = args[0] if args else kwargs.get("input", kwargs.get("self"))
         if not _saves(x):
             return func(*args, **kwargs)
@@ -103,21 +101,21 @@ def _mask_act(op: str, inplace_default: bool = False):
             if not _only(args, kwargs, ("input", "inplace")):
                 return func(*args, **kwargs)
             inplace = bool(_arg(args, kwargs, 1, "inplace", inplace_default))
-            out = A.relu(x, inplace, session.relu_slot(x))
+            out = activation.relu(x, inplace, session.relu_slot(x))
         elif op == "leaky_relu":
             slope = float(_arg(args, kwargs, 1, "negative_slope", 0.01))
             inplace = bool(_arg(args, kwargs, 2, "inplace", inplace_default))
-            out = A.MaskActivationFunction.apply(x, "leaky_relu", slope, 0.0, inplace)
+            out = activation.MaskActivationFunction.apply(x, "leaky_relu", slope, 0.0, inplace)
         elif op == "relu6":
             inplace = bool(_arg(args, kwargs, 1, "inplace", inplace_default))
-            out = A.MaskActivationFunction.apply(x, "hardtanh", 0.0, 6.0, inplace)
+            out = activation.MaskActivationFunction.apply(x, "hardtanh", 0.0, 6.0, inplace)
         else:  # hardtanh
             lo = float(_arg(args, kwargs, 1, "min_val", -1.0))
             hi = float(_arg(args, kwargs, 2, "max_val", 1.0))
             inplace = bool(_arg(args, kwargs, 3, "inplace", inplace_default))
             if lo > hi:
                 return func(*args, **kwargs)  # torch's own error
-            out = A.MaskActivationFunction.apply(x, "hardtanh", lo, hi, inplace)
+            out = activation.MaskActivationFunction.apply(x, "hardtanh", lo, hi, inplace)
         session.stats.route(op)
         return out
     return handler
@@ -126,8 +124,6 @@ def _mask_act(op: str, inplace_default: bool = False):
 def _deriv_act(op: str):
     """gelu / silu / sigmoid / tanh / elu / softplus: save the compressed derivative."""
     def handler(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-        from ..functional import activation as A
-
         x = args[0] if args else kwargs.get("input", kwargs.get("self"))
         if not _saves(x):
             return func(*args, **kwargs)
@@ -149,15 +145,13 @@ def _deriv_act(op: str):
                 return func(*args, **kwargs)
             params = ()
         session.stats.route(op)
-        return A.DerivativeActivationFunction.apply(x, op, params, session.qconfig, None,
-                                                    inplace)
+        return activation.DerivativeActivationFunction.apply(x, op, params, session.qconfig,
+                                                             None, inplace)
     return handler
 
 
 # -- norms ----------------------------------------------------------------------------------
 def _layer_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    from ..functional import norm as N
-
     x = _arg(args, kwargs, 0, "input")
     shape = _arg(args, kwargs, 1, "normalized_shape")
     w = _arg(args, kwargs, 2, "weight", None)
@@ -167,13 +161,11 @@ def _layer_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any
         return func(*args, **kwargs)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     session.stats.route("layer_norm")
-    return N.layer_norm_train(x, shape, w, b, float(eps), session.qconfig,
-                              session.qconfig.bits)
+    return norm.layer_norm_train(x, shape, w, b, float(eps), session.qconfig,
+                                 session.qconfig.bits)
 
 
 def _group_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    from ..functional import norm as N
-
     x = _arg(args, kwargs, 0, "input")
     groups = _arg(args, kwargs, 1, "num_groups")
     w = _arg(args, kwargs, 2, "weight", None)
@@ -182,13 +174,11 @@ def _group_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any
     if not _saves(x) or x.dim() < 2 or x.shape[1] % int(groups):
         return func(*args, **kwargs)  # torch raises its own error for a bad group count
     session.stats.route("group_norm")
-    return N.group_norm_train(x, int(groups), w, b, float(eps), session.qconfig,
-                              session.qconfig.bits)
+    return norm.group_norm_train(x, int(groups), w, b, float(eps), session.qconfig,
+                                 session.qconfig.bits)
 
 
 def _batch_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    from ..functional import norm as N
-
     x = _arg(args, kwargs, 0, "input")
     rm = _arg(args, kwargs, 1, "running_mean")
     rv = _arg(args, kwargs, 2, "running_var")
@@ -201,14 +191,12 @@ def _batch_norm(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any
             or x.numel() // x.shape[1] <= 1):
         return func(*args, **kwargs)  # eval, nothing saved, or torch's own batch-size error
     session.stats.route("batch_norm")
-    return N.batch_norm_train(x, w, b, rm, rv, float(momentum), float(eps), session.qconfig,
-                              session.qconfig.bits)
+    return norm.batch_norm_train(x, w, b, rm, rv, float(momentum), float(eps), session.qconfig,
+                                 session.qconfig.bits)
 
 
 # -- dropout --------------------------------------------------------------------------------
 def _dropout(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    from ..functional import dropout as D
-
     x = _arg(args, kwargs, 0, "input")
     p = _arg(args, kwargs, 1, "p", 0.5)
     training = _arg(args, kwargs, 2, "training", True)
@@ -216,13 +204,11 @@ def _dropout(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) 
     if not training or not _saves(x) or not isinstance(p, (int, float)) or not 0.0 < p < 1.0:
         return func(*args, **kwargs)
     session.stats.route("dropout")
-    return D.dropout(x, float(p), bool(inplace))
+    return dropout.dropout(x, float(p), bool(inplace))
 
 
 # -- loss and attention ---------------------------------------------------------------------
 def _cross_entropy(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    from ..functional import loss as L
-
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
              "reduction", "label_smoothing")
     x = _arg(args, kwargs, 0, "input")
@@ -233,11 +219,12 @@ def _cross_entropy(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, 
             or target.dtype.is_floating_point):
         return func(*args, **kwargs)
     session.stats.route("cross_entropy")
-    return L.cross_entropy(x, target, _arg(args, kwargs, 2, "weight", None),
-                           ignore_index=int(_arg(args, kwargs, 4, "ignore_index", -100)),
-                           reduction=_arg(args, kwargs, 6, "reduction", "mean"),
-                           label_smoothing=float(_arg(args, kwargs, 7, "label_smoothing", 0.0)),
-                           qconfig=session.qconfig)
+    return loss.cross_entropy(x, target, _arg(args, kwargs, 2, "weight", None),
+                              ignore_index=int(_arg(args, kwargs, 4, "ignore_index", -100)),
+                              reduction=_arg(args, kwargs, 6, "reduction", "mean"),
+                              label_smoothing=float(_arg(args, kwargs, 7, "label_smoothing",
+                                                         0.0)),
+                              qconfig=session.qconfig)
 
 
 # F.scaled_dot_product_attention's arguments: their positions and defaults (None where torch
@@ -267,8 +254,6 @@ def _bind(args: Tuple, kwargs: Dict[str, Any], index: Mapping[str, int],
 
 
 def _attention(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
-    from ..functional import attention as A
-
     bound = _bind(args, kwargs, _SDPA_INDEX, _SDPA_DEFAULTS, _SDPA_POSITIONAL)
     if bound is None:
         return func(*args, **kwargs)
@@ -278,7 +263,7 @@ def _attention(session: Any, func: Callable, args: Tuple, kwargs: Dict[str, Any]
     if not all(type(t) is Tensor and t.dtype in _COMPRESSIBLE for t in (q, k, v)):
         return func(*args, **kwargs)
     session.stats.route("scaled_dot_product_attention")
-    return A.scaled_dot_product_attention(
+    return attention.scaled_dot_product_attention(
         q, k, v, mask, float(p), bool(causal), scale, bool(gqa),
         qconfig=session.qconfig, bits=max(int(session.qconfig.bits), ATTENTION_MIN_BITS))
 

@@ -502,7 +502,7 @@ def _broadcast_shapes(*shapes: Sequence[int]) -> torch.Size:
     through its symbolic-shape reference, ~25 us a call, three calls per attention call); any
     shape that does not broadcast is handed to torch's, which raises its own error."""
     first = shapes[0]
-    if all(shape == first for shape in shapes):  # self-attention's q, k and v: nothing to do
+    if shapes.count(first) == len(shapes):  # self-attention's q, k and v: nothing to do
         return torch.Size(first)
     out: List[int] = []
     for shape in shapes:

@@ -53,6 +53,7 @@ from .stats import (LayerKind, LayerStats, count_call, layer_kind, saved_statist
 __all__ = ["ACGCStrategy", "WINDOW"]
 
 WINDOW = 10  # steps averaged per update (AC-GC)
+_grad_enabled = torch.is_grad_enabled  # bound once: read in every layer call
 _WIDTHS = (1, 2, 4, 8)
 
 
@@ -101,7 +102,10 @@ class _Layer:
         running.pop(self, None)
         self.recording = False
         x = args[0] if args else None
-        if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
+        # module.quantizing(), inlined: the callbacks run in eager calls only (not compiling)
+        if not (isinstance(x, Tensor) and module.training
+                and module.qconfig.enabled  # type: ignore[attr-defined]
+                and _grad_enabled()):
             return
         if x.numel() == 0 or not self.kind.compresses(module, x):
             with s.lock:

@@ -92,6 +92,7 @@ from .stats import (LayerKind, LayerStats, chunked_statistic, layer_kind, range_
 
 __all__ = ["ActNNStrategy"]
 
+_grad_enabled = torch.is_grad_enabled  # bound once: read in every layer call
 # range_statistic, pow and allocate_widths in one call on the CPU (cpp_ext/bindings.cpp); None
 # without the extension or in an older build
 _CHOOSE = getattr(extension(), "choose_widths", None)
@@ -169,7 +170,10 @@ class _Watched:
             # steps alone: GPT-2's default pins 50 layers, ~10 us each a step.
             return
         x = args[0] if args else None
-        if not isinstance(x, Tensor) or not module.quantizing():  # type: ignore[attr-defined]
+        # module.quantizing(), inlined: the callbacks run in eager calls only (not compiling)
+        if not (isinstance(x, Tensor) and module.training
+                and module.qconfig.enabled  # type: ignore[attr-defined]
+                and _grad_enabled()):
             # eval / no_grad: nothing is compressed; keep the last training statistics
             if self.pinned_bits is None:
                 set_sample_bits(module, None)

@@ -13,13 +13,13 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import reference
-from .backend import kernels
+from .backend import extension, kernels
 from .seeds import draw_seed
 from .hadamard import check_transform, check_transform_group, hadamard_
 from .tensor import QuantizedTensor
@@ -140,13 +140,28 @@ def _row_bits(bits: Bits, n: int, device: torch.device) -> Tuple[Tensor, Optiona
 DEBUG_ENV = "ACTNN_ZOO_DEBUG"
 
 
+_ASCII_SPACE = " \t\n\r\v\f"
+
+
+def env_flag_python(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to 1/true/yes/on (surrounding ASCII
+    whitespace and ASCII case ignored), read now. :data:`env_flag` is this rule, compiled."""
+    value = os.environ.get(name, "").strip(_ASCII_SPACE)
+    return value.isascii() and value.lower() in ("1", "true", "yes", "on")
+
+
+# env_flag_python in C (getenv, ~0.1 us; os.environ.get of an unset name raises and catches a
+# KeyError inside, ~0.7 us): quantize reads ACTNN_ZOO_DEBUG at every call
+env_flag: Callable[[str], bool] = getattr(extension(), "env_flag", None) or env_flag_python
+
+
 def debug_checks(validate: Optional[bool] = None) -> bool:
     """Whether to run the host-side checks of widths and offsets: ``validate`` when given, else
-    ``ACTNN_ZOO_DEBUG`` set to 1/true/yes/on (read now, not cached, so a test or a debugging
-    session can switch it on without restarting)."""
+    ``ACTNN_ZOO_DEBUG`` set to 1/true/yes/on (:func:`env_flag`: read now, not cached, so a
+    test or a debugging session can switch it on without restarting)."""
     if validate is not None:
         return bool(validate)
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(DEBUG_ENV)
 
 
 def _check_widths(bits: Tensor, what: str) -> None:
