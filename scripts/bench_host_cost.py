@@ -44,6 +44,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
+import resource
 import statistics
 import sys
 import time
@@ -233,6 +235,34 @@ def build_steps(name: str, modes: Sequence[str], backend: str = "inductor"
     return steps, n_q
 
 
+# glibc's malloc settings for --steady-malloc: never give freed memory back to the system (no
+# trim, no mmap'ed blocks), so that a step's allocations reuse pages instead of faulting in
+# fresh ones. Which allocations fault otherwise depends on the heap's history, which differs
+# between modes: on ResNet-50 fp32's step took ~2,100-5,700 minor faults (5-9 ms of kernel
+# time) in some runs and none in others.
+STEADY_MALLOC = ("glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432:"
+                 "glibc.malloc.top_pad=67108864")
+
+
+class _Faults:
+    """A step function that also counts the minor page faults of its calls after the first
+    ``skip`` (the warm-up), from ``getrusage``: the kernel time a step spends mapping fresh
+    pages, which thread CPU time includes and a GPU step's host side does not pay."""
+
+    def __init__(self, step: Callable[[], None], skip: int) -> None:
+        self.step, self.skip, self.calls, self.faults = step, skip, 0, 0
+
+    def __call__(self) -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        self.step()
+        self.calls += 1
+        if self.calls > self.skip:
+            self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    def per_step(self) -> float:
+        return self.faults / max(1, self.calls - self.skip)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
@@ -246,32 +276,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--count", action="store_true",
                    help="also count each mode's Python calls and torch operators per step "
                         "(actnn_zoo.bench.host_work: the same in every run, unlike the time)")
+    p.add_argument("--steady-malloc", action="store_true",
+                   help="run with glibc's malloc keeping freed memory (GLIBC_TUNABLES, "
+                        "STEADY_MALLOC; the script restarts itself with it): no page faults "
+                        "in the timed steps, as a GPU step's host side")
     args = p.parse_args(argv)
+    if args.steady_malloc and os.environ.get("GLIBC_TUNABLES") != STEADY_MALLOC:
+        if argv is not None:
+            p.error("--steady-malloc restarts the process: run the script itself")
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "GLIBC_TUNABLES": STEADY_MALLOC})
     torch.set_num_threads(1)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "fp32" not in modes:
         modes.insert(0, "fp32")
     print(f"torch {torch.__version__}, 1 thread, thread CPU time; median ms per step "
           f"({args.steps} steps x {args.rounds} rounds per mode, {args.warmup} warm-up); the "
-          f"last column: mean step over fp32's (with the strategies' periodic steps)")
+          f"last column: mean step over fp32's (with the strategies' periodic steps); "
+          f"faults: minor page faults per timed step; malloc: "
+          f"{'steady (' + STEADY_MALLOC + ')' if args.steady_malloc else 'glibc default'}")
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         if name not in MODELS:
             p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
         steps, n_q = build_steps(name, modes, args.backend)
-        times = interleaved_step_times(steps, n=args.steps * args.rounds, warmup=args.warmup,
+        counted = {k: _Faults(v, args.warmup) for k, v in steps.items()}
+        times = interleaved_step_times(counted, n=args.steps * args.rounds, warmup=args.warmup,
                                        rounds=args.rounds, clock=time.thread_time)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         mean = {k: statistics.mean(v) * 1e3 for k, v in times.items()}
         print(f"\n{name}: {n_q} Q-modules when converted")
         print(f"{'mode':17s} | {'ms/step':>8s} | {'x fp32':>7s} | {'extra us per Q-module':>22s}"
-              f" | {'x c-fp32':>8s} | {'mean x fp32':>11s}")
+              f" | {'x c-fp32':>8s} | {'mean x fp32':>11s} | {'faults':>7s}")
         for k in modes:
             extra = (med[k] - med["fp32"]) * 1e3 / n_q if n_q and k in OVERRIDES else None
             cell = f"{extra:22.0f}" if extra is not None else " " * 22
             vs = (f"{med[k] / med['compiled-fp32']:8.2f}" if k in ("compiled", "torch-compiled")
                   and "compiled-fp32" in med else "")
             print(f"{k:17s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell} | {vs:8s} | "
-                  f"{mean[k] / mean['fp32']:11.2f}")
+                  f"{mean[k] / mean['fp32']:11.2f} | {counted[k].per_step():7.0f}")
         if args.count:
             _print_work(steps, modes, n_q)
     return 0

@@ -20,7 +20,7 @@ def test_table_has_ratios_and_extra_per_q_module(capsys):
     out = capsys.readouterr().out
     assert "gpt2: 123 Q-modules when converted" in out
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
-            for line in out.splitlines() if line.count("|") == 5}
+            for line in out.splitlines() if line.count("|") == 6}
     assert list(rows)[1:] == ["fp32", "default", "no-capture", "checkpoint", "compiled-fp32",
                               "compiled", "torch-compiled"]
     fp32 = float(rows["fp32"][0])
@@ -30,7 +30,8 @@ def test_table_has_ratios_and_extra_per_q_module(capsys):
         assert float(rows[mode][3]) == pytest.approx(
             float(rows[mode][0]) / float(rows["compiled-fp32"][0]), abs=0.01)
     for mode in ("default", "no-capture", "checkpoint"):
-        ms, ratio, extra, _, mean_ratio = rows[mode]
+        ms, ratio, extra, _, mean_ratio, faults = rows[mode]
+        assert int(faults) >= 0  # minor page faults per timed step
         assert float(ratio) == pytest.approx(float(ms) / fp32, abs=0.01)
         assert float(mean_ratio) > 0  # one step per mode here: the mean is that step's ratio
         assert float(mean_ratio) == pytest.approx(float(ratio), abs=0.01)
@@ -62,7 +63,7 @@ def test_floor_modes_run_the_plain_model_under_the_mechanisms(capsys, monkeypatc
                      "--rounds", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
-            for line in out.splitlines() if line.count("|") == 5}
+            for line in out.splitlines() if line.count("|") == 6}
     assert list(rows)[1:] == ["fp32", "fp32-mode", "fp32-hooks"]
     assert rows["fp32-mode"][2] == "" and rows["fp32-hooks"][2] == ""
     assert seen["mode"] > 500 and seen["hooks"] > 100  # GPT-2's calls and saves, every step
@@ -170,7 +171,36 @@ def test_mean_column_is_the_mean_steps_ratio(capsys, monkeypatch):
                      "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
-            for line in out.splitlines() if line.count("|") == 5}
+            for line in out.splitlines() if line.count("|") == 6}
     assert float(rows["default"][1]) == pytest.approx(2.0)  # median 20 ms / 10 ms
     assert float(rows["default"][4]) == pytest.approx(3.0)  # mean 30 ms / 10 ms
     assert float(rows["fp32"][4]) == pytest.approx(1.0)
+
+
+def test_fault_counter_skips_the_warm_up(monkeypatch):
+    """The faults column counts the minor page faults of the timed steps only: the wrapper
+    leaves out its first ``skip`` calls (the warm-up, which also maps the model's first
+    pages) and divides by the steps it counted."""
+    mod = _script()
+    total = {"faults": 0}
+    per_call = iter([1000, 1000, 7, 9, 11])  # two warm-up steps, then three timed ones
+
+    def step() -> None:
+        total["faults"] += next(per_call)
+
+    monkeypatch.setattr(mod.resource, "getrusage",
+                        lambda who: type("R", (), {"ru_minflt": total["faults"]})())
+    counted = mod._Faults(step, skip=2)
+    for _ in range(5):
+        counted()
+    assert counted.faults == 27 and counted.per_step() == pytest.approx(9.0)
+
+
+def test_steady_malloc_restarts_only_the_script(capsys):
+    """--steady-malloc sets glibc's malloc tunables for a fresh process (they are read at
+    start): called as a function, which it cannot restart, it says so instead of timing
+    with the settings it promised."""
+    mod = _script()
+    with pytest.raises(SystemExit):
+        mod.main(["--models", "gpt2", "--modes", "default", "--steady-malloc"])
+    assert "restarts the process" in capsys.readouterr().err
