@@ -71,7 +71,6 @@ the same lock) reads rows, widths and gradients that belong together.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -99,7 +98,6 @@ _CHOOSE = getattr(extension(), "choose_widths", None)
 _CHOOSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _LADDER = (1.0, 2.0, 4.0, 8.0)
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def _stack(parts: List[Optional[Tensor]]) -> Optional[Tensor]:
@@ -214,11 +212,12 @@ class _Watched:
     def _choose(self, module: nn.Module, x: Tensor, fw: Optional[_Forward]) -> Optional[_Call]:
         """Set this call's widths (this thread's); returns the recorded call whose output
         gradient the step wants, else None."""
-        if x.numel() == 0 or not self.kind.compresses(module, x):
+        kind = self.kind
+        if x.numel() == 0 or not kind.compresses(module, x):
             self._record(fw, None)
             self._clear(module)
             return None
-        rows = self.kind.batched(module, x)
+        rows = x if kind.batched is same_tensor else kind.batched(module, x)
         if rows.dim() <= 1:  # one row; the layer uses qconfig.bits (<= the budget)
             self._record(fw, None)
             self._clear(module)
@@ -230,7 +229,7 @@ class _Watched:
             self._record(fw, call)
             return None
         budget = self.budget
-        if not self.kind.modelled and budget in _LADDER:
+        if not kind.modelled and budget in _LADDER:
             # No sensitivity model, and the plain budget is a width: every sample gets it.
             width = int(budget)
             if width == module.qconfig.bits:  # type: ignore[attr-defined]
@@ -242,15 +241,18 @@ class _Watched:
                     call.bits = full
             self._record(fw, call)
             return None
-        fan = self.kind.fan(module, rows)
+        fan = kind.fan(module, rows)
         group_size = module.qconfig.group_size  # type: ignore[attr-defined]
         extra = extra_bits(budget, n)  # host number: budget is a host float
         # The tensor the layer compresses, made whole (None: the layer's Function makes it in
         # chunks). f'(x), softmax(x), a norm's normalised input are not part of the model's
         # graph; conv and linear inputs need no no_grad context (~10 Python calls): the kernels
         # read their input detached.
-        with _NO_CONTEXT if self.kind.saved is same_tensor else torch.no_grad():
-            saved, made = saved_tensor(self.kind, module, rows)
+        if kind.saved is same_tensor:
+            saved, made = rows, None
+        else:
+            with torch.no_grad():
+                saved, made = saved_tensor(kind, module, rows)
         if (saved is not None and _CHOOSE is not None and saved.device.type == "cpu"
                 and saved.dtype in _CHOOSE_DTYPES and saved.is_contiguous()
                 and not isinstance(extra, Tensor)):
