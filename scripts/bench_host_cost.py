@@ -237,9 +237,9 @@ def build_steps(name: str, modes: Sequence[str], backend: str = "inductor"
 
 # glibc's malloc settings for --steady-malloc: never give freed memory back to the system (no
 # trim, no mmap'ed blocks), so that a step's allocations reuse pages instead of faulting in
-# fresh ones. Which allocations fault otherwise depends on the heap's history, which differs
-# between modes: on ResNet-50 fp32's step took ~2,100-5,700 minor faults (5-9 ms of kernel
-# time) in some runs and none in others.
+# fresh ones. Whether a step faults otherwise depends on the process's heap history: on
+# ResNet-50 every mode's step took ~5,500 minor faults (5-9 ms of kernel time) in some
+# processes and none in others.
 STEADY_MALLOC = ("glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432:"
                  "glibc.malloc.top_pad=67108864")
 
