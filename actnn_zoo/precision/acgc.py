@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from .._compile import EagerHook
 from ..quant import SampleBits
-from .base import PrecisionStrategy, TrackedLayer, hand_derivative
+from .base import PrecisionStrategy, TrackedLayer, compresses_now, hand_derivative
 from .readback import DeferredRead
 from .stats import (LayerKind, LayerStats, count_call, layer_kind, saved_statistic,
                     set_width)
@@ -53,7 +53,6 @@ from .stats import (LayerKind, LayerStats, count_call, layer_kind, saved_statist
 __all__ = ["ACGCStrategy", "WINDOW"]
 
 WINDOW = 10  # steps averaged per update (AC-GC)
-_grad_enabled = torch.is_grad_enabled  # bound once: read in every layer call
 _WIDTHS = (1, 2, 4, 8)
 
 
@@ -102,10 +101,7 @@ class _Layer:
         running.pop(self, None)
         self.recording = False
         x = args[0] if args else None
-        # module.quantizing(), inlined: the callbacks run in eager calls only (not compiling)
-        if not (isinstance(x, Tensor) and module.training
-                and module.qconfig.enabled  # type: ignore[attr-defined]
-                and _grad_enabled()):
+        if not compresses_now(module, x):
             return
         if x.numel() == 0 or not self.kind.compresses(module, x):
             with s.lock:

@@ -82,7 +82,8 @@ from .._compile import EagerHook
 from ..capture.attach import CAPTURE_ATTR, Capture
 from ..quant import SampleBits
 from ..quant.backend import extension
-from .base import PrecisionStrategy, TrackedLayer, hand_derivative, set_sample_bits
+from .base import (PrecisionStrategy, TrackedLayer, compresses_now, hand_derivative,
+                   set_sample_bits)
 from .readback import DeferredRead
 from .rows import LayoutCache, RowLayout, host_tensor
 from .solver import UpgradeTable, allocate_samples, allocate_weighted, extra_bits
@@ -91,7 +92,6 @@ from .stats import (LayerKind, LayerStats, chunked_statistic, layer_kind, range_
 
 __all__ = ["ActNNStrategy"]
 
-_grad_enabled = torch.is_grad_enabled  # bound once: read in every layer call
 # range_statistic, pow and allocate_widths in one call on the CPU (cpp_ext/bindings.cpp); None
 # without the extension or in an older build
 _CHOOSE = getattr(extension(), "choose_widths", None)
@@ -168,10 +168,7 @@ class _Watched:
             # steps alone: GPT-2's default pins 50 layers, ~10 us each a step.
             return
         x = args[0] if args else None
-        # module.quantizing(), inlined: the callbacks run in eager calls only (not compiling)
-        if not (isinstance(x, Tensor) and module.training
-                and module.qconfig.enabled  # type: ignore[attr-defined]
-                and _grad_enabled()):
+        if not compresses_now(module, x):
             # eval / no_grad: nothing is compressed; keep the last training statistics
             if self.pinned_bits is None:
                 set_sample_bits(module, None)

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import Tensor, nn
 
 from .._compile import EagerHook
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TrackedLayer", "PrecisionStrategy", "UniformStrategy", "PRECISION_ATTR",
            "WIDTHS_ATTR", "WATCH_ATTR", "LayerWatch", "ThreadWidths", "ThreadState",
-           "set_sample_bits", "hand_derivative"]
+           "set_sample_bits", "hand_derivative", "compresses_now"]
 
 PRECISION_ATTR = "actnn_zoo_precision"
 # the Q-layer attribute holding a strategy's per-thread widths (QModule.bits_for reads it)
@@ -136,6 +137,19 @@ class ThreadState(threading.local):
     rec: Any = None  # a recording this thread's forward makes (gact)
     probe_pass: bool = False  # this thread runs a probe's passes (gact)
     streams: Optional[List[Any]] = None  # seed streams this thread opened (gact)
+
+
+_grad_enabled = torch.is_grad_enabled  # bound once: read in every watched layer call
+
+
+def compresses_now(module: nn.Module, x: Any) -> bool:
+    """Whether the Q-layer's call about to run on ``x`` compresses: a tensor, training, enabled,
+    grad on. ``QModule.quantizing()`` without its compile test: the strategies' callbacks run
+    in eager calls only (:class:`LayerWatch`, :class:`~actnn_zoo._compile.EagerHook`), and the
+    test cost two more Python frames per watched layer call."""
+    return (isinstance(x, Tensor) and module.training
+            and module.qconfig.enabled  # type: ignore[attr-defined]
+            and _grad_enabled())
 
 
 def set_sample_bits(module: nn.Module, bits: Union[Tensor, Any, None]) -> None:

@@ -126,7 +126,7 @@ from torch import Tensor, nn
 from .._compile import EagerHook
 from .._session import active_session
 from ..quant.seeds import seed_stream
-from .base import PrecisionStrategy, TrackedLayer
+from .base import PrecisionStrategy, TrackedLayer, compresses_now
 from .readback import DeferredRead
 from .stats import LayerKind, LayerStats, count_call, layer_kind
 
@@ -134,7 +134,6 @@ __all__ = ["GACTStrategy", "greedy_widths", "variance_cost", "ESTIMATORS"]
 
 WIDTHS: Tuple[int, ...] = (1, 2, 4, 8)
 ESTIMATORS: Tuple[str, ...] = ("hybrid", "joint", "per_tensor")
-_grad_enabled = torch.is_grad_enabled  # bound once: read in every layer call
 _DOWN = {8: 4, 4: 2, 2: 1}
 _UP = {1: 2, 2: 4, 4: 8}
 
@@ -325,10 +324,7 @@ class _Layer:
             return
         self.quantized = False
         x = args[0] if args else None
-        # module.quantizing(), inlined: the callbacks run in eager calls only (not compiling)
-        if not (isinstance(x, Tensor) and module.training
-                and module.qconfig.enabled  # type: ignore[attr-defined]
-                and _grad_enabled()):
+        if not compresses_now(module, x):
             return
         if x.numel() == 0 or not self.kind.compresses(module, x):
             with s.lock:
