@@ -205,14 +205,22 @@ at::Tensor sample_offsets(int64_t d, const at::Tensor& bits, int64_t max_sum) {
 // (quant.SampleBits) on the CPU: the row offsets made and checked as sample_offsets makes
 // them, the buffer sized from max_sum, then the kernel. Returns (data, lo, step, offsets): one
 // call where the layout took a Python frame and a call of its own per quantize.
+//
+// x: any shape, contiguous, read as the contract's rows (dim 0 the sample; 0-d and 1-d one row),
+// as quantize_uniform's x: the layers pass their input as it is, with no (N, D) view made in
+// Python -- which, on an input that requires a gradient, took a detach too.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_samples(
-    const at::Tensor& x2d, const at::Tensor& bits, int64_t max_sum, int64_t group_size,
+    const at::Tensor& x, const at::Tensor& bits, int64_t max_sum, int64_t group_size,
     int64_t seed, bool stochastic) {
-  TORCH_CHECK_VALUE(x2d.dim() == 2 && x2d.is_cpu() && bits.dim() == 1 &&
-                        bits.size(0) == x2d.size(0),
-                    "quantize_samples: x2d must be a 2-d CPU tensor with one width per row, got "
-                    "shape ", x2d.sizes(), " and ", bits.sizes(), " widths");
-  const int64_t n = x2d.size(0), d = x2d.size(1);
+  const auto [n, d] = actnn_zoo::contract_rows(x.sizes());
+  TORCH_CHECK_VALUE(x.is_cpu() && x.is_contiguous() && bits.dim() == 1 && bits.size(0) == n,
+                    "quantize_samples: x must be a contiguous CPU tensor with one width per "
+                    "row, got shape ", x.sizes(), " and ", bits.sizes(), " widths");
+  at::Tensor x2d;
+  {
+    const at::NoGradGuard no_grad;  // the row view is for the kernel, not the graph
+    x2d = x.view({n, d});
+  }
   at::Tensor offsets = sample_offsets(d, bits, max_sum);
   auto [data, lo, step] = actnn_zoo::quantize_cpu(x2d, bits.contiguous(), offsets,
                                                   (d * max_sum + 7 * n) / 8, group_size, seed,
@@ -346,7 +354,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_sum"),
         "CPU: row_offsets of per-sample widths, raising ValueError unless every width is 1, 2, "
         "4 or 8 and they sum to at most max_sum (the promises of quant.SampleBits).");
-  m.def("quantize_samples", &quantize_samples, nogil, py::arg("x2d"), py::arg("bits"),
+  m.def("quantize_samples", &quantize_samples, nogil, py::arg("x"), py::arg("bits"),
         py::arg("max_sum"), py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
         "CPU: quantize at per-sample widths bits (N,) uint8 that sum to at most max_sum "
         "(checked as sample_offsets checks them; the buffer holds (D * max_sum + 7 N) / 8 "

@@ -391,6 +391,67 @@ def test_layers_entry_matches_the_public_quantize(shape, width, group, dtype, st
     assert torch.equal(dequantize_saved(got), dequantize(want))
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_made_payload_is_the_constructed_one(mixed):
+    """``QuantizedTensor.made`` (the quantizers' constructor without the dataclass's per-field
+    setattr) gives the object the public constructor gives: the same fields, holding the same
+    objects, frozen alike."""
+    import dataclasses
+
+    from actnn_zoo.quant.tensor import QuantizedTensor
+
+    data, lo, step = torch.zeros(8, dtype=torch.uint8), torch.zeros(2, 1), torch.ones(2, 1)
+    rb, off = ((torch.tensor([2, 2], dtype=torch.uint8), torch.tensor([0, 4, 8]))
+               if mixed else (None, None))
+    args = (data, lo, step, torch.Size([2, 16]), torch.float16, None if mixed else 2, 64, rb,
+            off, "hadamard", 7)
+    a, b = QuantizedTensor(*args), QuantizedTensor.made(*args)
+    assert type(b) is QuantizedTensor and list(vars(a)) == list(vars(b))
+    assert all(vars(a)[k] is vars(b)[k] for k in vars(a))
+    assert b.spec() == a.spec() and b.mixed is mixed and repr(a) == repr(b)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.bits = 4
+
+
+@pytest.mark.parametrize("width", [2, "samples"])
+def test_layers_entry_reads_an_input_that_requires_grad_as_it_is(width):
+    """On the CPU with the compiled kernels, quantize_saved of an input that requires a
+    gradient (a layer's input in the forward, grad mode on) dispatches no detach of it: the
+    kernels read it through its pointer (per-sample widths through a row view made in C++
+    under no_grad). The payload is the detached input's, code for code, and nothing of it
+    requires a gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from actnn_zoo.quant.api import quantize_saved
+    from actnn_zoo.quant.backend import extension
+
+    if extension() is None:
+        pytest.skip("the reference kernels are torch ops: they take the input detached")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 5, 40, requires_grad=True)
+    bits = (SampleBits(torch.tensor([2, 4, 1], dtype=torch.uint8), 7) if width == "samples"
+            else width)
+    torch.manual_seed(3)
+    with Ops() as ops:
+        got = quantize_saved(x, bits, 32, True)
+    assert "aten.detach" not in ops.names and "aten.reshape" not in ops.names, ops.names
+    assert ops.names.count("aten.view") == (width == "samples"), ops.names
+    torch.manual_seed(3)
+    want = quantize_saved(x.detach(), bits, 32, True)
+    for a, b in zip(got.tensors(), want.tensors(), strict=True):
+        assert torch.equal(a, b) and not a.requires_grad
+    assert x.grad_fn is None and x._version == 0
+
+
 def test_layers_entry_checks_what_the_qconfig_does_not():
     """The Q-layers' entry still refuses what no qconfig vouches for: an unsupported dtype,
     an invalid int width, per-sample widths of the wrong length."""

@@ -393,7 +393,8 @@ class CompressedStore:
         if claim is not None:
             claim[0].fulfil(q)
         if owner is None:
-            owner = tensor_base(x) if tensor_base(x) is not None else x
+            base = tensor_base(x)
+            owner = base if base is not None else x
         # The entry goes when the owner does: the payload then lives exactly as long as the
         # saved objects autograd keeps, so nothing outlives its backward, also when one
         # store spans several micro-batches (``capturing`` around gradient accumulation).
@@ -499,7 +500,7 @@ class CompressedStore:
         (no outer hooks, no observer), that is this store's pack hook, which the node then
         skips while it is innermost, saving them as plain saved variables (no pack or unpack
         call: ~1 us each); else None, and the saves take :meth:`keep`'s path."""
-        if self.saves_pass_through():
+        if not self.boxing and current_observer() is None:  # saves_pass_through(), inlined
             if counted:
                 self._count_kept(tensors)
             self._saving = _NOTHING  # type: ignore[assignment]  # pack never sees these

@@ -43,7 +43,10 @@ def compress(x: Tensor, qconfig: LayerQConfig, bits: Optional[Bits] = None, *,
     session = active_session()
     if session is None:
         return compress_fresh(x, qconfig, bits, maps=maps)
-    fn, kind = quantizer_for(x, qconfig, maps)
+    if qconfig.compressor == "quant" and qconfig.transform == "none":
+        fn, kind = _quantize_any_float, "quant"  # quantizer_for's answer, two frames less
+    else:
+        fn, kind = quantizer_for(x, qconfig, maps)
     return session.store.compress(x, qconfig.bits if bits is None else bits,
                                   qconfig.group_size, qconfig.rounding, quantize_fn=fn,
                                   kind=kind)

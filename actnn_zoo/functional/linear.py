@@ -178,9 +178,14 @@ def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[Tuple[tu
     codes = payload_codes(q, sparse=weight is not None)
     if codes is None:
         return None
+    # the payload's tensors, read off the codes (``q.tensors()`` in another order, which
+    # keep_saved does not mind): two Python frames less on every compiled layer call
+    saves = codes[:3] if codes[3] is None else codes[:5]  # row_bits and offsets come together
     if weight is None:
-        return codes[:5] + codes[6:], keep_saved(*q.tensors())
-    return codes, keep_saved(*q.tensors(), weight)
+        return codes[:5] + codes[6:], keep_saved(*saves)
+    if codes[5] is not None:
+        saves += (codes[5],)
+    return codes, keep_saved(*saves, weight)
 
 
 def payload_codes(q: Payload, sparse: bool = True) -> Optional[tuple]:

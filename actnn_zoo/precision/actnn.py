@@ -179,18 +179,6 @@ class _Watched:
             # left behind is of an older step: grad_hook ignores it)
             self.strategy.running()[self] = call
 
-    def _new_step(self, fw: _Forward) -> None:
-        """The first call in a root training forward: this step's totals start from zero
-        (the re-allocation has read the last step's in the root's pre-hook already). The last
-        recorded gradients are kept unless this step records new ones. Under the lock."""
-        self._step = fw.step
-        self.calls = []
-        st = self.stats
-        st.samples = st.numel = st.values = st.calls = 0
-        st.bits = None
-        if fw.record_grads:  # this step's gradients replace the last recorded ones
-            st.sample_grad_sq = st.grad_sq = None
-
     def _record(self, fw: Optional[_Forward], call: Optional[_Call],
                 fan: Optional[float] = None) -> None:
         """Add ``call`` to the step's record (a call of another step starts it afresh) and
@@ -199,7 +187,18 @@ class _Watched:
             return
         with self.strategy.lock:
             if self._step != fw.step:
-                self._new_step(fw)
+                # The first call in a root training forward: this step's totals start from
+                # zero (the re-allocation has read the last step's in the root's pre-hook
+                # already). The last recorded gradients are kept unless this step records new
+                # ones. (Written here, not as a method: most layers run once a step, so every
+                # call came here, one Python frame each.)
+                self._step = fw.step
+                self.calls = []
+                st = self.stats
+                st.samples = st.numel = st.values = st.calls = 0
+                st.bits = None
+                if fw.record_grads:  # this step's gradients replace the last recorded ones
+                    st.sample_grad_sq = st.grad_sq = None
             if call is not None:
                 self.calls.append(call)
             if fan is not None:

@@ -85,6 +85,10 @@ def check_group_size(group_size: object, name: str = "group_size") -> int:
 
 
 _grad_enabled = torch.is_grad_enabled
+# Whether the CPU's kernels are the compiled ones (read once: a loaded library, not
+# configuration); see quantize_saved.
+_CPU_KERNELS = kernels("cpu")
+_CPU_COMPILED = _CPU_KERNELS is not reference
 
 
 def no_graph(t: Tensor) -> Tensor:
@@ -237,29 +241,29 @@ def _encode(x: Tensor, rows: Tensor, bits: Bits, group_size: int, seed: int, sto
     """The kernel call of :func:`quantize` and :func:`quantize_saved`: ``rows``, the values of
     ``x`` (rotated already when ``transform`` says so) in any shape whose contract rows are
     ``x``'s (dim 0 the sample), at ``bits``, as a QuantizedTensor."""
-    n, d = reference.contract_rows(rows.shape)
     if not isinstance(bits, (Tensor, SampleBits)):
         # one width: the kernel reads the rows and lays them out itself (no view, no widths or
-        # offsets tensors per call)
-        uniform = check_bits(bits)
-        if n * d == 0:
-            data, lo, step = _empty_codes(n, d, group_size, x.device)
+        # offsets tensors per call); an int in SUPPORTED_BITS is taken without check_bits' call
+        uniform = bits if type(bits) is int and bits in SUPPORTED_BITS else check_bits(bits)
+        if rows.numel() == 0:
+            data, lo, step = _empty_codes(*reference.contract_rows(rows.shape), group_size,
+                                          x.device)
         else:
-            data, lo, step = kernels(x.device).quantize_uniform(
+            data, lo, step = (_CPU_KERNELS if x.is_cpu else kernels(x.device)).quantize_uniform(
                 rows.contiguous(), uniform, group_size, seed & 0xFFFFFFFF, stochastic)
-        return QuantizedTensor(data, lo, step, x.shape, x.dtype, uniform, group_size,
-                               transform=transform, transform_seed=tseed)
+        return QuantizedTensor.made(data, lo, step, x.shape, x.dtype, uniform, group_size,
+                                    None, None, transform, tseed)
+    n, d = reference.contract_rows(rows.shape)
     if (type(bits) is SampleBits and n * d and x.device.type == "cpu"
             and bits.bits.shape[0] == n and bits.bits.device.type == "cpu"
             and not debug_checks(validate)):
         # the layer's per-sample widths (the actnn strategy's): layout and kernel in one call
-        fused = getattr(kernels(x.device), "quantize_samples", None)
+        fused = getattr(_CPU_KERNELS, "quantize_samples", None)
         if fused is not None:
-            data, lo, step, offsets = fused(
-                (rows if rows.dim() == 2 else as_rows(rows)).contiguous(), bits.bits,
-                bits.max_sum, group_size, seed & 0xFFFFFFFF, stochastic)
-            return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
-                                   bits.bits, offsets, transform, tseed)
+            data, lo, step, offsets = fused(rows.contiguous(), bits.bits, bits.max_sum,
+                                            group_size, seed & 0xFFFFFFFF, stochastic)
+            return QuantizedTensor.made(data, lo, step, x.shape, x.dtype, None, group_size,
+                                        bits.bits, offsets, transform, tseed)
     row_bits, offsets, total, _ = _rows_layout(bits, n, d, x.device, validate)
     if n * d == 0:
         data, lo, step = _empty_codes(n, d, group_size, x.device)
@@ -267,8 +271,8 @@ def _encode(x: Tensor, rows: Tensor, bits: Bits, group_size: int, seed: int, sto
         data, lo, step = kernels(x.device).quantize(
             (rows if rows.dim() == 2 else as_rows(rows)).contiguous(), row_bits, offsets,
             total, group_size, seed & 0xFFFFFFFF, stochastic)
-    return QuantizedTensor(data, lo, step, x.shape, x.dtype, None, group_size,
-                           row_bits, offsets, transform, tseed)
+    return QuantizedTensor.made(data, lo, step, x.shape, x.dtype, None, group_size,
+                                row_bits, offsets, transform, tseed)
 
 
 def quantize_saved(x: Tensor, bits: Bits, group_size: int, stochastic: bool) -> QuantizedTensor:
@@ -283,7 +287,11 @@ def quantize_saved(x: Tensor, bits: Bits, group_size: int, stochastic: bool) -> 
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     seed = draw_seed() if stochastic else 0
-    return _encode(x, no_graph(x), bits, group_size, seed, stochastic, None)
+    # The compiled CPU kernels read x through its pointer and any row view they need is made
+    # under no_grad in C++, so x needs no detach there (an operator call per save of an input
+    # that requires a gradient); the reference kernels and the general entries are torch ops.
+    rows = x if x.is_cpu and _CPU_COMPILED else no_graph(x)
+    return _encode(x, rows, bits, group_size, seed, stochastic, None)
 
 
 def dequantize_saved(q: QuantizedTensor, validate: Optional[bool] = None) -> Tensor:
