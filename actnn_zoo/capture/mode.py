@@ -34,6 +34,10 @@ __all__ = ["CaptureMode", "call_unrouted", "call_unrouted_python", "in_routed_se
 _PROBE = torch.empty(0)
 _DIM = torch.Tensor.dim
 _grad_enabled = torch.is_grad_enabled
+# True only while dynamo traces (it folds the call), one Python frame where is_compiling()
+# takes two: the mode sees every torch call of a session's forward. Dynamo is the one tracer
+# that runs a function mode's __torch_function__ (no session opens while anything compiles).
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 # Set while a checkpointed segment runs under checkpoint_context's forward context: its
@@ -77,6 +81,14 @@ class CaptureMode(TorchFunctionMode):
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         # Every torch call and tensor attribute read of the forward lands here: the unlisted
         # ones (almost all) take the shortest path, one table lookup and the call.
+        if _dynamo_compiling():
+            # torch.compile traces a region of the forward (a compiled submodule of a converted
+            # model, the session opened by the eager root): the mode steps aside there, as no
+            # session opens when the whole model is compiled -- the region's Q-layers save
+            # through their traced forms. Traced, the table lookup and the handlers' host work
+            # broke the graph at every call (a two-block MLP compiled into 4 graphs with 61
+            # breaks, the plain model into one).
+            return func(*args, **kwargs) if kwargs else func(*args)
         grad = _grad_enabled()
         store = self._store
         if store is not None:

@@ -552,9 +552,15 @@ class CompressedStore:
         if self._probing and t is self._probe_leaf:  # hooks_innermost's probe
             self._probe_seen = True
             return t
+        if _is_compiling():
+            # traced by torch.compile: a compiled region inside this store's session (a
+            # compiled submodule). Its saves stay as the graph makes them, as when the whole
+            # model is compiled and no session opens (its Q-layers save their traced forms'
+            # codes); at run time the compiled node's own saves come here eagerly. Traced, the
+            # hook's host work broke the graph at every save.
+            return t
         return self._pack_hook(t)
 
-    @_eager
     def _pack_hook(self, t: Tensor) -> Any:
         # read before anything: the tier-2 mode sees this hook's own calls (under no_grad)
         # when the save is a custom Function's, and must not count them
