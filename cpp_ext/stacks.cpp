@@ -5,10 +5,10 @@
 // at::impl::PythonTorchFunctionTLS, without saving or dispatching anything (~0.2 us a call,
 // where a probe save or a probe torch call through the stack cost 1.5-5 us).
 //
-// Also two calls every Q-layer call of a capture session makes, in C so that they cost no
+// Also three calls every Q-layer call of a capture session makes, in C so that they cost no
 // Python frames: running a layer with the capture mode off the mode stack
-// (call_without_mode), and counting the tensors a zoo Function saves on purpose
-// (count_saves). Both take CPython's fast-call convention: a pybind11 binding's argument
+// (call_without_mode), counting the tensors a zoo Function saves on purpose (count_saves),
+// and the capture store's key of a tensor's memory (memory_key). They take CPython's fast-call convention: a pybind11 binding's argument
 // parsing would cost about what the Python it replaces did. Without pybind11 nothing turns a
 // C++ exception into a Python one, so each body runs inside torch's HANDLE_TH_ERRORS (a
 // tensor without storage, say, raises NotImplementedError as in Python, not abort()).
@@ -16,6 +16,7 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/SavedTensorHooks.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -112,6 +113,47 @@ PyObject* count_saves(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   END_HANDLE_TH_ERRORS
 }
 
+// memory_key(x) -> (storage address, storage offset, sizes, strides, dtype, version): the
+// memory x views at its current version, the capture store's key
+// (actnn_zoo.capture.store._memory_key, its Python twin, which took three Python frames and
+// five calls on every compressed save).
+PyObject* memory_key(PyObject* /*self*/, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  if (!THPVariable_Check(arg)) {
+    PyErr_Format(PyExc_TypeError, "memory_key: expected a Tensor, got %s",
+                 Py_TYPE(arg)->tp_name);
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  const void* ptr = t.storage().data();  // raises as untyped_storage() does, e.g. sparse
+  const int64_t offset = t.storage_offset();
+  const int64_t version = t._version();
+  const at::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  PyObject* shape = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
+  PyObject* stride = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
+  if (shape == nullptr || stride == nullptr) {
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return nullptr;
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    PyTuple_SET_ITEM(shape, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(sizes[i]));
+    PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(strides[i]));
+  }
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+  // "N" steals the tuples' references, "O" adds one to the borrowed dtype
+  return Py_BuildValue("(NLNNOL)", PyLong_FromVoidPtr(const_cast<void*>(ptr)),
+                       static_cast<long long>(offset), shape, stride, dtype,
+                       static_cast<long long>(version));
+  END_HANDLE_TH_ERRORS
+}
+
+static PyMethodDef kMemoryKey = {
+    "memory_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(memory_key)),
+    METH_O,
+    "memory_key(x) -> (storage address, storage offset, sizes, strides, dtype, version): the "
+    "memory x views at its current version."};
+
 static PyMethodDef kCallWithoutMode = {
     "call_without_mode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
                              call_without_mode)),
@@ -164,7 +206,7 @@ void register_stacks(pybind11::module_& m) {
       "The torch function mode a torch call made now in this thread is handed to first (the "
       "innermost of the stack), or None (no mode, or torch function handling disabled), "
       "without calling anything.");
-  for (PyMethodDef* def : {&kCallWithoutMode, &kCountSaves}) {
+  for (PyMethodDef* def : {&kCallWithoutMode, &kCountSaves, &kMemoryKey}) {
     PyObject* fn = PyCFunction_NewEx(def, nullptr, m.attr("__name__").ptr());
     if (fn == nullptr) throw py::error_already_set();
     m.add_object(def->ml_name, py::reinterpret_steal<py::object>(fn));

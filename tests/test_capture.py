@@ -1001,6 +1001,38 @@ def test_count_saves_matches_its_python_twin(specs, min_numel):
         assert ref() is kept_py[key]()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(_SAVE_DTYPES), st.lists(st.integers(0, 5), min_size=0, max_size=4),
+       st.sampled_from(["plain", "offset", "transposed", "expanded", "bumped", "param"]))
+def test_memory_key_matches_its_python_twin(dtype, shape, kind):
+    """The store's key of a tensor's memory (``_C.memory_key``) equals its Python twin
+    (``capture.store.memory_key``) on every dtype, shape and view: storage address, offset,
+    sizes, strides, dtype and version, as the same Python objects (ints, tuples, the dtype)."""
+    from actnn_zoo.capture.store import memory_key
+    from actnn_zoo.quant.backend import extension
+
+    base = torch.zeros(int(torch.tensor(shape).prod()) + 3, dtype=dtype)
+    t = base[3:].view(shape) if kind == "offset" else base[:-3].view(shape)
+    if kind == "transposed" and t.dim() >= 2:
+        t = t.transpose(0, -1)
+    elif kind == "expanded":
+        t = base[:1].expand(*shape) if shape else base[0]
+    elif kind == "bumped":
+        t.fill_(1)  # the version moves
+    elif kind == "param" and dtype.is_floating_point:
+        t = nn.Parameter(base)
+    got, want = extension().memory_key(t), memory_key(t)
+    assert got == want and [type(v) for v in got] == [type(v) for v in want]
+    assert got[4] is t.dtype and (kind != "bumped" or got[5] == t._version >= 1)
+
+
+def test_memory_key_refuses_what_is_not_a_tensor():
+    from actnn_zoo.quant.backend import extension
+
+    with pytest.raises(TypeError, match="memory_key: expected a Tensor, got list"):
+        extension().memory_key([1, 2])
+
+
 def test_count_saves_raises_where_its_python_twin_raises():
     """A tensor without storage (a vmap-batched one) raises torch's NotImplementedError in the
     compiled count as in its twin: a C++ error out of a CPython function would abort the
