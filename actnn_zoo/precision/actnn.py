@@ -263,7 +263,8 @@ class _Watched:
             exponent = self.exponent
             expected = score if exponent is None else score.pow(exponent)
             bits = allocate_samples(expected, budget, self.strategy.table(score.device), extra)
-        hand_derivative(module, x, made)  # f'(x): the layer uses it, not a second one
+        if made is not None:  # f'(x): the layer uses it, not a second one
+            hand_derivative(module, x, made)
         if call is not None:
             call.range_sq, call.bits = score, bits
         self._record(fw, call, fan)

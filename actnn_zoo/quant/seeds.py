@@ -12,6 +12,7 @@ makes runs reproducible: the stream's key is the one draw.
 from __future__ import annotations
 
 import contextvars
+import itertools
 from typing import Optional
 
 import torch
@@ -44,17 +45,17 @@ class SeedStream:
     seed (fmix32 is a bijection of 32-bit values, so the seeds of one stream differ before the
     top bit is dropped)."""
 
-    __slots__ = ("key", "count")
+    __slots__ = ("key", "counts")
 
     def __init__(self) -> None:
         self.key = _read_generator()
-        self.count = 0
+        self.counts = itertools.count(1)  # k of the next seed (a C iterator: no frame)
 
     def next(self) -> int:
-        self.count += 1
+        k = next(self.counts)
         if _MIX is not None:
-            return _MIX(self.key, self.count)
-        return fmix32_int(self.key ^ fmix32_int(self.count)) & 0x7FFFFFFF
+            return _MIX(self.key, k)
+        return fmix32_int(self.key ^ fmix32_int(k)) & 0x7FFFFFFF
 
 
 def draw_seed() -> int:
@@ -62,6 +63,8 @@ def draw_seed() -> int:
     (CPU) generator. Neither synchronises a device."""
     stream = _STREAM.get()
     if stream is not None:
+        if _MIX is not None:  # stream.next() without its frame: every compressed save draws
+            return _MIX(stream.key, next(stream.counts))
         return stream.next()
     return _read_generator()
 
