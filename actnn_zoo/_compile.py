@@ -12,6 +12,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # lookups ``torch.compiler.is_compiling`` cost as much as the call (dynamo knows the function by
 # identity, so tracing still sees ``is_compiling()`` as True).
 _is_compiling = torch.compiler.is_compiling
+# True only while dynamo traces (dynamo folds the call; eagerly it returns False in one frame,
+# where is_compiling() takes two). For eager() below it decides the same as is_compiling(): the
+# two differ only under torch.export's non-strict tracing and inside a compilation, where no
+# dynamo frame callback runs, so the disabled wrapper and a plain call do the same.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 def eager(fn: F) -> F:
@@ -27,7 +32,7 @@ def eager(fn: F) -> F:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
+        if _dynamo_compiling():
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
 

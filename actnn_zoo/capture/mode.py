@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .._compile import _dynamo_compiling
 from .._torch_private import inside_checkpoint
 from ..quant.backend import extension
 from .handlers import Handler
@@ -34,10 +35,6 @@ __all__ = ["CaptureMode", "call_unrouted", "call_unrouted_python", "in_routed_se
 _PROBE = torch.empty(0)
 _DIM = torch.Tensor.dim
 _grad_enabled = torch.is_grad_enabled
-# True only while dynamo traces (it folds the call), one Python frame where is_compiling()
-# takes two: the mode sees every torch call of a session's forward. Dynamo is the one tracer
-# that runs a function mode's __torch_function__ (no session opens while anything compiles).
-_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 # Set while a checkpointed segment runs under checkpoint_context's forward context: its
@@ -81,7 +78,7 @@ class CaptureMode(TorchFunctionMode):
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         # Every torch call and tensor attribute read of the forward lands here: the unlisted
         # ones (almost all) take the shortest path, one table lookup and the call.
-        if _dynamo_compiling():
+        if _dynamo_compiling():  # (one Python frame: the mode sees every torch call)
             # torch.compile traces a region of the forward (a compiled submodule of a converted
             # model, the session opened by the eager root): the mode steps aside there, as no
             # session opens when the whole model is compiled -- the region's Q-layers save
