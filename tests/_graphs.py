@@ -1,5 +1,6 @@
 """Helpers shared by the torch.compile tests (tests/test_compile.py, tests/test_compiled.py):
-graphs counted, bytes a forward leaves alive, gradient cosines, the nodes of a graph."""
+graphs counted, bytes a forward leaves alive, gradient cosines, the nodes of a graph, a short
+training run."""
 from __future__ import annotations
 
 from typing import Callable, Dict
@@ -68,3 +69,17 @@ def node_name(node) -> str:
     if "CppNode<" in full:
         return full.rsplit("::", 1)[-1].rstrip(">")
     return type(node).__name__
+
+
+def train_30_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor) -> None:
+    """30 steps of cross-entropy on one batch: finite, and the loss at least halved."""
+    losses = []
+    for _ in range(30):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < 0.5 * losses[0], losses

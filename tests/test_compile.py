@@ -22,7 +22,8 @@ from torch import nn
 import actnn_zoo as az
 from actnn_zoo.convert import precision_strategy
 
-from _graphs import counting, grad_nodes, held_bytes, min_cosine, no_dropout
+from _graphs import (counting, grad_nodes, held_bytes, min_cosine, no_dropout,
+                     train_30_steps)
 from _scripts import load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,15 +139,7 @@ def test_compiled_submodule_inside_a_session_costs_no_graph_break():
     assert counts["converted"] <= counts["plain"], counts
     routed = az.capture_report(model).routed
     assert routed.get("relu") == 1 and routed.get("cross_entropy") == 1, routed
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    losses = []
-    for _ in range(25):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0], losses
+    train_30_steps(model, torch.optim.Adam(model.parameters(), lr=0.01), x, y)
     assert counts["converted"] <= counts["plain"], counts  # no recompilation while training
     # the blocks' layers save their traced forms' codes: the forward leaves 0.35x the bytes
     # of the plain model with the same blocks compiled alive (the allocator's count, measured

@@ -20,7 +20,8 @@ from torch import nn
 import actnn_zoo as az
 from actnn_zoo._compile import INLINE_ATTR
 
-from _graphs import counting, grad_nodes, held_bytes, min_cosine, no_dropout
+from _graphs import (counting, grad_nodes, held_bytes, min_cosine, no_dropout,
+                     train_30_steps)
 
 
 def _cnn() -> nn.Module:
@@ -32,20 +33,6 @@ def _cnn() -> nn.Module:
                          nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 32, 3, padding=1, bias=False),
                          nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                          nn.Linear(32, 10))
-
-
-def _train_30_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                    y: torch.Tensor) -> None:
-    """30 steps of cross-entropy on one batch: finite, and the loss at least halved."""
-    losses = []
-    for _ in range(30):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    assert all(torch.isfinite(torch.tensor(losses))), losses
-    assert losses[-1] < 0.5 * losses[0], losses
 
 
 def _check_model(make: Callable[[], nn.Module], loss_of: Callable[[nn.Module], torch.Tensor]):
@@ -87,7 +74,7 @@ def test_cnn_trains_30_steps(one_thread):
     x, y = torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
     model = az.convert_model(_cnn())
     compiled = az.compile(model, backend="aot_eager")
-    _train_30_steps(compiled, torch.optim.Adam(compiled.parameters(), lr=0.01), x, y)
+    train_30_steps(compiled, torch.optim.Adam(compiled.parameters(), lr=0.01), x, y)
     # the running statistics moved as torch's would (updated in the compiled graph)
     assert float(model[1].num_batches_tracked) == 30
     assert not torch.allclose(model[1].running_var, torch.ones(16))
@@ -170,7 +157,7 @@ def test_resnet50_one_graph_compressed_and_trains(one_thread):
             m.zero_grad(set_to_none=True)
     assert counts["zoo"] <= counts["plain"], counts
     assert held["zoo"] <= 1.2 * held["eager"], held
-    _train_30_steps(compiled, torch.optim.SGD(compiled.parameters(), lr=0.05, momentum=0.9),
+    train_30_steps(compiled, torch.optim.SGD(compiled.parameters(), lr=0.05, momentum=0.9),
                     x, y)
     assert counts["zoo"] <= counts["plain"], counts  # no recompilation into more graphs
 
