@@ -8,8 +8,9 @@
 // Also three calls every Q-layer call of a capture session makes, in C so that they cost no
 // Python frames: running a layer with the capture mode off the mode stack
 // (call_without_mode), counting the tensors a zoo Function saves on purpose (count_saves),
-// and the capture store's key of a tensor's memory (memory_key). They take CPython's fast-call convention: a pybind11 binding's argument
-// parsing would cost about what the Python it replaces did. Without pybind11 nothing turns a
+// and the capture store's key of a tensor's memory (memory_key). They take CPython's own
+// calling conventions (fast call, METH_O): a pybind11 binding's argument parsing would cost
+// about what the Python it replaces did. Without pybind11 nothing turns a
 // C++ exception into a Python one, so each body runs inside torch's HANDLE_TH_ERRORS (a
 // tensor without storage, say, raises NotImplementedError as in Python, not abort()).
 #include "stacks.h"
@@ -114,9 +115,9 @@ PyObject* count_saves(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
 }
 
 // memory_key(x) -> (storage address, storage offset, sizes, strides, dtype, version): the
-// memory x views at its current version, the capture store's key
-// (actnn_zoo.capture.store._memory_key, its Python twin, which took three Python frames and
-// five calls on every compressed save).
+// memory x views at its current version, the capture store's key (its Python twin is
+// actnn_zoo.capture.store.memory_key, which took three Python frames and five calls on every
+// compressed save).
 PyObject* memory_key(PyObject* /*self*/, PyObject* arg) {
   HANDLE_TH_ERRORS
   if (!THPVariable_Check(arg)) {

@@ -40,7 +40,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import torch
 from torch import Tensor
 
-from .. import _compile
 from .._compile import eager as _eager
 from .._compile import _is_compiling
 from .. import _session
@@ -60,9 +59,9 @@ from ..quant.division import Payload, decompress, uses_division
 __all__ = ["CompressedStore", "CaptureStats"]
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
-# The files of the pack hook's own frames (this module and the eager wrapper around it), which
-# saved_by_checkpoint looks above
-_HOOK_FILES = (__file__, _compile.__file__)
+# The files of the pack hook's own frames (pack, _pack_hook and _pack, all in this module),
+# which saved_by_checkpoint looks above
+_HOOK_FILES = (__file__,)
 
 
 _STRIDED, _BOOL = torch.strided, torch.bool

@@ -287,10 +287,11 @@ def quantize_saved(x: Tensor, bits: Bits, group_size: int, stochastic: bool) -> 
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     seed = draw_seed() if stochastic else 0
-    # The compiled CPU kernels read x through its pointer and any row view they need is made
-    # under no_grad in C++, so x needs no detach there (an operator call per save of an input
-    # that requires a gradient); the reference kernels and the general entries are torch ops.
-    rows = x if x.is_cpu and _CPU_COMPILED else no_graph(x)
+    # The compiled CPU kernels read a contiguous x through its pointer and make any row view
+    # they need under no_grad in C++, so x needs no detach there (an operator call per save of
+    # an input that requires a gradient); a copy to contiguous, the reference kernels and the
+    # general entries are torch ops, which would be recorded.
+    rows = x if x.is_cpu and _CPU_COMPILED and x.is_contiguous() else no_graph(x)
     return _encode(x, rows, bits, group_size, seed, stochastic, None)
 
 
