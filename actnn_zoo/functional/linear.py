@@ -41,8 +41,12 @@ COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float
 
 
 # -- helpers shared by conv.py and norm.py ------------------------------------------------------
-def check_compressible(x: Tensor, layer: str) -> None:
+def check_compressible(x: Tensor, layer: object) -> None:
     """Raise NotImplementedError for inputs that activation compression cannot hold.
+
+    ``layer``: the layer or its name, for the message. The layer's class is named only when
+    raising: read in a forward that torch.compile traces, ``type(layer).__name__`` was a
+    Python guard per layer, run at every compiled call.
 
     Falling back silently would keep a full-precision copy while the user believes the layer
     compresses; the user can opt out per layer with ``qconfig.enabled=False`` instead.
@@ -56,15 +60,20 @@ def check_compressible(x: Tensor, layer: str) -> None:
     non-finite group does).
     """
     if x.is_nested:
-        raise NotImplementedError(f"{layer}: nested tensor input is not supported while "
-                                  "compressing activations (set qconfig enabled=False)")
-    if x.layout != torch.strided:
-        raise NotImplementedError(f"{layer}: sparse input (layout {x.layout}) is not supported "
+        raise NotImplementedError(f"{_name(layer)}: nested tensor input is not supported "
                                   "while compressing activations (set qconfig enabled=False)")
-    if x.dtype not in COMPRESSIBLE_DTYPES:
-        raise NotImplementedError(f"{layer}: {x.dtype} input is not supported while compressing "
-                                  "activations (float32/float16/bfloat16 only; set qconfig "
+    if x.layout != torch.strided:
+        raise NotImplementedError(f"{_name(layer)}: sparse input (layout {x.layout}) is not "
+                                  "supported while compressing activations (set qconfig "
                                   "enabled=False)")
+    if x.dtype not in COMPRESSIBLE_DTYPES:
+        raise NotImplementedError(f"{_name(layer)}: {x.dtype} input is not supported while "
+                                  "compressing activations (float32/float16/bfloat16 only; set "
+                                  "qconfig enabled=False)")
+
+
+def _name(layer: object) -> str:
+    return layer if isinstance(layer, str) else type(layer).__name__
 
 
 def memory_format_of(x: Tensor) -> torch.memory_format:

@@ -26,7 +26,7 @@ def use_function(module: QModule, x: Tensor, *params: Optional[Tensor]) -> bool:
         return False
     if not (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
         return False
-    check_compressible(x, type(module).__name__)
+    check_compressible(x, module)
     return True
 
 
@@ -41,7 +41,7 @@ def traced_width(module: QModule, x: Tensor, *params: Optional[Tensor]
         return None
     if not (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
         return None
-    check_compressible(x, type(module).__name__)
+    check_compressible(x, module)
     return width
 
 
