@@ -509,6 +509,18 @@ at::Tensor unpack_mask_op(const at::Tensor& packed, at::IntArrayRef shape) {
 
 }  // namespace
 
+namespace actnn_zoo {
+// The actnn_zoo::dequantize_uniform operator's CPU/CUDA kernel without the dispatcher, same
+// checks, same result: the compiled nodes' backward (qlayers.cpp) decodes one-width codes
+// through it. Why: the operator call adds ~3 us of host work (the autograd fallback, which
+// boxes its arguments, and the SymInt shape) to a ~1.6 us decode of a tiny tensor.
+at::Tensor dequantize_uniform_whole(const at::Tensor& data, const at::Tensor& lo,
+                                    const at::Tensor& step, at::IntArrayRef shape, int64_t bits,
+                                    int64_t group_size, at::ScalarType dtype) {
+  return dequantize_uniform_op(data, lo, step, shape, bits, group_size, dtype);
+}
+}  // namespace actnn_zoo
+
 // A fragment: actnn_zoo/quant/ops.py adds the fake kernels and the fallback to the namespace.
 // When ops.py defined the schemas first (the reference backend, ACTNN_ZOO_BACKEND=reference,
 // then something imported this module), they are not defined twice: a second definition

@@ -27,14 +27,21 @@
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/extension.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace actnn_zoo {
+
+// bindings.cpp: the actnn_zoo::dequantize_uniform operator's kernel without the dispatcher
+at::Tensor dequantize_uniform_whole(const at::Tensor& data, const at::Tensor& lo,
+                                    const at::Tensor& step, at::IntArrayRef shape, int64_t bits,
+                                    int64_t group_size, at::ScalarType dtype);
 
 namespace {
 
@@ -46,14 +53,89 @@ using OptTensor = std::optional<at::Tensor>;
 // (the Python Functions' no_autocast).
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
+// A node's scalars (widths, dtypes, shapes, flags) as one int list under one saved_data key,
+// written in forward and read back in order in backward. Why: saved_data is a string-keyed
+// hash map; ~10 lookups a backward call and a vector copy per shape (toIntVector) were ~1 us
+// of a tiny layer's backward (and as much again in its forward). An int list rather than a
+// capsule of a C++ struct, because compiled autograd hashes saved_data.
+const std::string kMeta = "meta";
+
+// A shape read back: on the stack for up to 6 dims (no allocation).
+using Shape = c10::SmallVector<int64_t, 6>;
+
+class MetaWriter {
+ public:
+  void add(int64_t v) { list_.push_back(v); }
+  void add(at::IntArrayRef values) {  // its length first
+    list_.push_back(static_cast<int64_t>(values.size()));
+    for (const int64_t v : values) list_.push_back(v);
+  }
+  void save(AutogradContext* ctx) { ctx->saved_data[kMeta] = std::move(list_); }
+
+ private:
+  c10::List<int64_t> list_;
+};
+
+class MetaReader {
+ public:
+  explicit MetaReader(AutogradContext* ctx) : list_(ctx->saved_data[kMeta].toListRef()) {}
+  int64_t next() { return list_[at_++].toInt(); }
+  bool flag() { return next() != 0; }
+  at::ScalarType dtype() { return static_cast<at::ScalarType>(next()); }
+  Shape shape() {  // as MetaWriter::add(IntArrayRef) wrote it
+    Shape out(static_cast<size_t>(next()));
+    for (int64_t& v : out) v = next();
+    return out;
+  }
+
+ private:
+  c10::ArrayRef<c10::IValue> list_;  // the map's entry, alive as long as the node
+  size_t at_ = 0;
+};
+
+// What decode needs of a payload, and save_codes' flags: meta's first entries, in this order.
+struct Codes {
+  int64_t kind;  // 0 one width, 1 per-sample widths, 2 sparse codes
+  at::ScalarType dtype;
+  int64_t bits, group_size;
+  bool x_grad;  // the input required a gradient (needs_input_grad is per backward call)
+  bool bias;
+  Shape shape;
+};
+
+void write_codes(MetaWriter& meta, int64_t kind, at::ScalarType dtype, int64_t bits,
+                 int64_t group_size, bool x_grad, bool bias, at::IntArrayRef shape) {
+  meta.add(kind);
+  meta.add(static_cast<int64_t>(dtype));
+  meta.add(bits);
+  meta.add(group_size);
+  meta.add(x_grad);
+  meta.add(bias);
+  meta.add(shape);
+}
+
+Codes read_codes(MetaReader& meta) {
+  Codes c;
+  c.kind = meta.next();
+  c.dtype = meta.dtype();
+  c.bits = meta.next();
+  c.group_size = meta.next();
+  c.x_grad = meta.flag();
+  c.bias = meta.flag();
+  c.shape = meta.shape();
+  return c;
+}
+
 // What forward saves of the input's codes: data, lo, step, weight [, row widths, row offsets
-// [, the nonzeros' mask]] through save_for_backward, the rest in saved_data. Three payloads:
-// one width (data, lo, step), per-sample widths (+ row_bits, offsets), sparse codes of a ReLU
-// output (+ row_bits, offsets, mask: quant.quantize_sparse, CPU only).
-void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                const OptTensor& bias, const at::Tensor& data, const at::Tensor& lo,
-                const at::Tensor& step, const OptTensor& row_bits, const OptTensor& offsets,
-                const OptTensor& mask, int64_t bits, int64_t group_size) {
+// [, the nonzeros' mask]] through save_for_backward, the rest in `meta` (Codes), which the
+// caller saves. Three payloads: one width (data, lo, step), per-sample widths (+ row_bits,
+// offsets), sparse codes of a ReLU output (+ row_bits, offsets, mask: quant.quantize_sparse,
+// CPU only).
+void save_codes(AutogradContext* ctx, MetaWriter& meta, const at::Tensor& x,
+                const at::Tensor& weight, const OptTensor& bias, const at::Tensor& data,
+                const at::Tensor& lo, const at::Tensor& step, const OptTensor& row_bits,
+                const OptTensor& offsets, const OptTensor& mask, int64_t bits,
+                int64_t group_size) {
   auto given = [](const OptTensor& t) { return t.has_value() && t->defined(); };
   const bool mixed = given(row_bits), sparse = given(mask);
   TORCH_CHECK_VALUE(mixed == given(offsets) && (mixed || !sparse),
@@ -66,13 +148,8 @@ void save_codes(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wei
   } else {
     ctx->save_for_backward({data, lo, step, weight});
   }
-  ctx->saved_data["kind"] = static_cast<int64_t>(sparse ? 2 : mixed ? 1 : 0);
-  ctx->saved_data["shape"] = x.sizes();
-  ctx->saved_data["dtype"] = x.scalar_type();
-  ctx->saved_data["bits"] = bits;
-  ctx->saved_data["group_size"] = group_size;
-  ctx->saved_data["x_grad"] = x.requires_grad();  // (needs_input_grad is per backward call)
-  ctx->saved_data["bias"] = given(bias);
+  write_codes(meta, sparse ? 2 : mixed ? 1 : 0, x.scalar_type(), bits, group_size,
+              x.requires_grad(), given(bias), x.sizes());
 }
 
 // Which of (input, weight, bias) this backward call must give (the next edges: x, weight,
@@ -81,26 +158,21 @@ struct Needed {
   bool x, w, b;
 };
 
-Needed needed(AutogradContext* ctx) {
+Needed needed(AutogradContext* ctx, const Codes& codes) {
   return {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-          ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)};
+          codes.bias && ctx->needs_input_grad(2)};
 }
 
-// A payload decoded: the actnn_zoo::dequantize_uniform operator for one width (kind 0), the
-// general (1) or the sparse (2) kernel with the saved row widths and offsets. `first`: where
-// its codes start in `saved` (data, lo, step); `extra`: where row_bits, offsets [and mask]
-// start.
+// A payload decoded: the actnn_zoo::dequantize_uniform operator's kernel for one width (kind
+// 0; called directly, see dequantize_uniform_whole), the general (1) or the sparse (2) kernel
+// with the saved row widths and offsets. `first`: where its codes start in `saved` (data, lo,
+// step); `extra`: where row_bits, offsets [and mask] start.
 at::Tensor decode_payload(const variable_list& saved, size_t first, size_t extra, int64_t kind,
                           at::IntArrayRef shape, at::ScalarType dtype, int64_t bits,
                           int64_t group_size) {
   if (kind == 0) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("actnn_zoo::dequantize_uniform", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, c10::SymIntArrayRef,
-                                                 int64_t, int64_t, at::ScalarType)>();
-    return op.call(saved[first], saved[first + 1], saved[first + 2],
-                   c10::fromIntArrayRefSlow(shape), bits, group_size, dtype);
+    return dequantize_uniform_whole(saved[first], saved[first + 1], saved[first + 2], shape,
+                                    bits, group_size, dtype);
   }
   const at::Tensor& data = saved[first];
   const at::Tensor& lo = saved[first + 1];
@@ -130,13 +202,11 @@ at::Tensor decode_payload(const variable_list& saved, size_t first, size_t extra
   return out;
 }
 
-// The decoded input of a node that saved one payload (save_codes' layout in saved_data).
-at::Tensor decode(AutogradContext* ctx, const variable_list& saved, size_t first = 0,
+// The decoded input of a node that saved one payload (save_codes' layout).
+at::Tensor decode(const Codes& codes, const variable_list& saved, size_t first = 0,
                   size_t extra = 4) {
-  return decode_payload(saved, first, extra, ctx->saved_data["kind"].toInt(),
-                        ctx->saved_data["shape"].toIntVector(),
-                        ctx->saved_data["dtype"].toScalarType(), ctx->saved_data["bits"].toInt(),
-                        ctx->saved_data["group_size"].toInt());
+  return decode_payload(saved, first, extra, codes.kind, codes.shape, codes.dtype, codes.bits,
+                        codes.group_size);
 }
 
 // Raise in a backward that builds a graph (create_graph=True) for a node whose saves give no
@@ -167,9 +237,9 @@ struct SecondOrderGuard : public torch::autograd::Function<SecondOrderGuard> {
   }
 };
 
-at::Tensor guard_second_order(AutogradContext* ctx, at::Tensor gw, const at::Tensor& weight,
+at::Tensor guard_second_order(const Codes& codes, at::Tensor gw, const at::Tensor& weight,
                               const char* layer) {
-  if (gw.defined() && ctx->saved_data["x_grad"].toBool() && at::GradMode::is_enabled()) {
+  if (gw.defined() && codes.x_grad && at::GradMode::is_enabled()) {
     return SecondOrderGuard::apply(gw, weight, std::string(layer));
   }
   return gw;
@@ -184,32 +254,41 @@ struct QLinearFunction : public torch::autograd::Function<QLinearFunction> {
                             int64_t group_size) {
     RECORD_USER_SCOPE("actnn_zoo::qlinear");
     at::Tensor out = at::linear(x, weight, bias);
-    save_codes(ctx, x, weight, bias, data, lo, step, row_bits, offsets, mask, bits, group_size);
+    MetaWriter meta;
+    save_codes(ctx, meta, x, weight, bias, data, lo, step, row_bits, offsets, mask, bits,
+               group_size);
+    meta.save(ctx);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qlinear_backward");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-    const auto [need_x, need_w, need_b] = needed(ctx);
+    MetaReader meta(ctx);
+    const Codes codes = read_codes(meta);
+    const auto [need_x, need_w, need_b] = needed(ctx, codes);
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& weight = saved[3];
     const at::Tensor& g = grads[0];
-    const at::Tensor g2 = g.reshape({-1, g.size(-1)});
-    at::Tensor gx, gw, gb;
+    // (rows, features) views only where a tensor is not 2-d already, and mm where matmul would
+    // only call it: each view or composite op is a dispatch and a tensor more (same values)
+    auto rows = [](const at::Tensor& t) {
+      return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+    };
+    const at::Tensor g2 = rows(g);
+    variable_list out(11);  // gx, gw, gb, then the codes' (none)
     if (need_w) {  // first: the decoded input is freed before the input gradient exists
-      at::Tensor x = decode(ctx, saved);
-      const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+      const at::Tensor x2 = rows(decode(codes, saved));
       // A weight given as the transpose of a contiguous (in, out) Parameter (GPT-2's Conv1D)
       // gets its gradient in that layout, (x^T g)^T, not as a transposed copy.
       const bool by_rows = weight.dim() == 2 && weight.stride(0) == 1 && weight.size(1) > 1 &&
                            weight.stride(1) == weight.size(0);
-      gw = by_rows ? x2.t().matmul(g2).t() : g2.t().matmul(x2);
-      gw = guard_second_order(ctx, gw, weight, "QLinear");
+      at::Tensor gw = by_rows ? x2.t().mm(g2).t() : g2.t().mm(x2);
+      out[1] = guard_second_order(codes, std::move(gw), weight, "QLinear");
     }
-    if (need_x) gx = g.matmul(weight);
-    if (need_b) gb = g2.sum(0);
-    return {gx, gw, gb, {}, {}, {}, {}, {}, {}, {}, {}};
+    if (need_x) out[0] = g.dim() == 2 ? g.mm(weight) : g.matmul(weight);
+    if (need_b) out[2] = g2.sum(0);
+    return out;
   }
 };
 
@@ -252,12 +331,11 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
                             int64_t groups, bool large) {
     RECORD_USER_SCOPE("actnn_zoo::qconv");
     at::Tensor out = conv_forward(x, weight, bias, stride, padding, dilation, groups);
-    save_codes(ctx, x, weight, bias, data, lo, step, row_bits, offsets, mask, bits, group_size);
-    ctx->saved_data["stride"] = stride;
-    ctx->saved_data["padding"] = padding;
-    ctx->saved_data["dilation"] = dilation;
-    ctx->saved_data["groups"] = groups;
-    ctx->saved_data["large"] = large;
+    MetaWriter meta;  // the codes', then groups, large, format, stride, padding, dilation
+    save_codes(ctx, meta, x, weight, bias, data, lo, step, row_bits, offsets, mask, bits,
+               group_size);
+    meta.add(groups);
+    meta.add(large);
     // the input's memory format, which the decoded copy is given (cuDNN / oneDNN pick their
     // kernels by it): 0 contiguous, 1 channels_last, 2 channels_last_3d
     int64_t format = 0;
@@ -265,29 +343,34 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
       if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) format = 1;
       if (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) format = 2;
     }
-    ctx->saved_data["format"] = format;
+    meta.add(format);
+    meta.add(stride);
+    meta.add(padding);
+    meta.add(dilation);
+    meta.save(ctx);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qconv_backward");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-    const auto [need_x, need_w, need_b] = needed(ctx);
+    MetaReader meta(ctx);
+    const Codes codes = read_codes(meta);
+    const int64_t groups = meta.next();
+    const bool large = meta.flag();
+    const int64_t format = meta.next();
+    const Shape stride = meta.shape(), padding = meta.shape(), dilation = meta.shape();
+    const auto [need_x, need_w, need_b] = needed(ctx, codes);
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& weight = saved[3];
     const at::Tensor& go = grads[0];
-    const std::vector<int64_t> stride = ctx->saved_data["stride"].toIntVector();
-    const std::vector<int64_t> padding = ctx->saved_data["padding"].toIntVector();
-    const std::vector<int64_t> dilation = ctx->saved_data["dilation"].toIntVector();
-    const int64_t groups = ctx->saved_data["groups"].toInt();
-    const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
-    const int64_t format = ctx->saved_data["format"].toInt();
-    const std::vector<int64_t> zeros(stride.size(), 0);
+    const at::IntArrayRef shape = codes.shape;
+    const Shape zeros(stride.size(), 0);
     const at::OptionalIntArrayRef bias_sizes =
         need_b ? at::OptionalIntArrayRef(at::IntArrayRef(go.sizes().data() + 1, 1))
                : at::OptionalIntArrayRef();
     auto decoded = [&]() {
-      at::Tensor x = decode(ctx, saved);
+      at::Tensor x = decode(codes, saved);
       if (format == 1) return x.contiguous(at::MemoryFormat::ChannelsLast);
       if (format == 2) return x.contiguous(at::MemoryFormat::ChannelsLast3d);
       return x;
@@ -297,7 +380,7 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
                                       false, zeros, groups, mask);
     };
     at::Tensor gi, gw, gb;
-    if (need_x && need_w && !ctx->saved_data["large"].toBool()) {
+    if (need_x && need_w && !large) {
       // one call for a small input (a second call costs more than the arithmetic)
       std::tie(gi, gw, gb) = run(decoded(), {true, true, need_b});
     } else if (need_x || need_w) {
@@ -310,9 +393,9 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
                              {true, false, false}));
       }
     }
-    if (need_w) gw = guard_second_order(ctx, gw, weight, "QConv");
+    if (need_w) gw = guard_second_order(codes, gw, weight, "QConv");
     if (need_b && !need_w) {
-      std::vector<int64_t> dims{0};
+      Shape dims{0};
       for (int64_t i = 2; i < go.dim(); ++i) dims.push_back(i);
       gb = go.sum(dims);
     }
@@ -324,11 +407,10 @@ struct QConvFunction : public torch::autograd::Function<QConvFunction> {
   // stand-in input copies it to a full contiguous map first); undefined when the sizes cannot
   // be matched (functional/conv.py, ConvSpec.input_grad).
   static at::Tensor input_grad(const at::Tensor& go, const at::Tensor& weight,
-                               const std::vector<int64_t>& shape,
-                               const std::vector<int64_t>& stride,
-                               const std::vector<int64_t>& padding,
-                               const std::vector<int64_t>& dilation, int64_t groups) {
-    std::vector<int64_t> out_pad;
+                               at::IntArrayRef shape, at::IntArrayRef stride,
+                               at::IntArrayRef padding, at::IntArrayRef dilation,
+                               int64_t groups) {
+    Shape out_pad;
     for (size_t i = 0; i < stride.size(); ++i) {
       const int64_t n_in = shape[i + 2], n_out = go.size(static_cast<int64_t>(i) + 2);
       const int64_t span = dilation[i] * (weight.size(static_cast<int64_t>(i) + 2) - 1) + 1;
@@ -564,22 +646,24 @@ struct QDerivativeFunction : public torch::autograd::Function<QDerivativeFunctio
     } else {
       ctx->save_for_backward({data, lo, step});
     }
-    ctx->saved_data["kind"] = static_cast<int64_t>(mixed ? 1 : 0);
-    ctx->saved_data["shape"] = x.sizes();
-    ctx->saved_data["dtype"] = at::ScalarType::Float;  // f'(x) was quantized in float32
-    ctx->saved_data["in_dtype"] = x.scalar_type();
-    ctx->saved_data["bits"] = bits;
-    ctx->saved_data["group_size"] = group_size;
+    MetaWriter meta;  // the codes' (f'(x) was quantized in float32), then x's dtype
+    write_codes(meta, mixed ? 1 : 0, at::kFloat, bits, group_size, false, false, x.sizes());
+    meta.add(static_cast<int64_t>(x.scalar_type()));
+    meta.save(ctx);
     ctx->saved_data["op"] = op;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_USER_SCOPE("actnn_zoo::qderivative_backward");
-    no_second_derivative(ctx->saved_data["op"].toStringRef());
+    // (the op's name looked up only for the error)
+    if (at::GradMode::is_enabled()) no_second_derivative(ctx->saved_data["op"].toStringRef());
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
+    MetaReader meta(ctx);
+    const Codes codes = read_codes(meta);
+    const at::ScalarType in_dtype = meta.dtype();
     const variable_list saved = ctx->get_saved_variables();
-    at::Tensor deriv = decode(ctx, saved, 0, 3);
+    at::Tensor deriv = decode(codes, saved, 0, 3);
     const at::Tensor& g = grads[0];
     // the decoded copy is this call's own: the product goes into it when it has the result's
     // dtype and shape (the values of grad * deriv), as the Python Function does
@@ -587,8 +671,7 @@ struct QDerivativeFunction : public torch::autograd::Function<QDerivativeFunctio
                              deriv.scalar_type() && deriv.sizes() == g.sizes())
                         ? deriv.mul_(g)
                         : g * deriv;
-    return {gi.to(ctx->saved_data["in_dtype"].toScalarType()), {}, {}, {}, {}, {}, {}, {},
-            {}, {}, {}, {}};
+    return {gi.to(in_dtype), {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -626,15 +709,16 @@ struct QNormFunction : public torch::autograd::Function<QNormFunction> {
     if (save_bias && given(bias)) saved.push_back(*bias);
     if (has_var) saved.push_back(made[6]);
     ctx->save_for_backward(saved);
-    ctx->saved_data["kind"] = kind;
-    ctx->saved_data["extra"] = extra;
-    ctx->saved_data["bits"] = bits;
-    ctx->saved_data["group_size"] = group_size;
-    ctx->saved_data["var"] = std::vector<int64_t>{has_var, var_offset, var_stride};
-    ctx->saved_data["weight"] = given(weight);
-    ctx->saved_data["bias"] = given(bias);
-    if (given(weight)) ctx->saved_data["weight_shape"] = weight->sizes();
-    if (given(bias)) ctx->saved_data["bias_shape"] = bias->sizes();
+    // kind, extra, bits, group_size, has_var, var_offset, var_stride, has_weight, has_bias
+    // [, the weight's shape] [, the bias's]
+    MetaWriter meta;
+    for (const int64_t v : {kind, extra, bits, group_size, int64_t{has_var}, var_offset,
+                            var_stride, int64_t{given(weight)}, int64_t{given(bias)}}) {
+      meta.add(v);
+    }
+    if (given(weight)) meta.add(weight->sizes());
+    if (given(bias)) meta.add(bias->sizes());
+    meta.save(ctx);
     ctx->saved_data["layer"] = layer;
     return made[0];
   }
@@ -648,18 +732,19 @@ struct QNormFunction : public torch::autograd::Function<QNormFunction> {
         "(to_float()) or set qconfig enabled=False for this layer.");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
     const variable_list saved = ctx->get_saved_variables();
-    const bool has_weight = ctx->saved_data["weight"].toBool();
-    const bool has_bias = ctx->saved_data["bias"].toBool();
-    const auto var = ctx->saved_data["var"].toIntVector();
+    MetaReader meta(ctx);
+    const int64_t kind = meta.next(), extra = meta.next(), bits = meta.next(),
+                  group_size = meta.next();
+    const int64_t var[3] = {meta.next(), meta.next(), meta.next()};  // has_var, offset, stride
+    const bool has_weight = meta.flag(), has_bias = meta.flag();
+    const Shape weight_shape = has_weight ? meta.shape() : Shape();
+    const Shape bias_shape = has_bias ? meta.shape() : Shape();
     const OptTensor weight = has_weight ? OptTensor(saved[5]) : std::nullopt;
     const OptTensor codes = var[0] ? OptTensor(saved.back()) : std::nullopt;
-    const int64_t bits = ctx->saved_data["bits"].toInt();
-    const int64_t group_size = ctx->saved_data["group_size"].toInt();
-    const int64_t extra = ctx->saved_data["extra"].toInt();
     const bool need_x = ctx->needs_input_grad(0);
     const at::Tensor& g = grads[0];
     at::Tensor gi, gw, gb;
-    switch (ctx->saved_data["kind"].toInt()) {
+    switch (kind) {
       case 0:
         std::tie(gi, gw, gb) = batch_norm_backward_fused_cpu(
             g, saved[0], saved[1], saved[2], bits, group_size, saved[4], weight, codes, var[1],
@@ -678,8 +763,8 @@ struct QNormFunction : public torch::autograd::Function<QNormFunction> {
     const bool need_w = has_weight && ctx->needs_input_grad(1);
     const bool need_b = has_bias && ctx->needs_input_grad(2);
     return {need_x ? gi : at::Tensor(),
-            need_w ? gw.view(ctx->saved_data["weight_shape"].toIntVector()) : at::Tensor(),
-            need_b ? gb.view(ctx->saved_data["bias_shape"].toIntVector()) : at::Tensor(),
+            need_w ? gw.view(weight_shape) : at::Tensor(),
+            need_b ? gb.view(bias_shape) : at::Tensor(),
             {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
@@ -718,27 +803,28 @@ struct QAttentionFunction : public torch::autograd::Function<QAttentionFunction>
         attention_whole_forward_cpu(q, k, v, scale, causal, threshold, s1, s2, drop_scale)
             .reshape(out_shape);
     variable_list kept;
-    std::vector<int64_t> first, kinds;
+    // payloads, group_size, causal, threshold, s1, s2, (first, kind, bits) per payload, then
+    // the shapes of query, key and value; the two scales as a float list of their own
+    MetaWriter meta;
+    for (const int64_t v : {static_cast<int64_t>(bits.size()), group_size, int64_t{causal},
+                            threshold, s1, s2}) {
+      meta.add(v);
+    }
     for (size_t i = 0; i < bits.size(); ++i) {
       const OptTensor* c = &codes[6 * i];
       const bool mixed = c[3].has_value() && c[3]->defined();
       const bool sparse = c[5].has_value() && c[5]->defined();
-      first.push_back(static_cast<int64_t>(kept.size()));
-      kinds.push_back(sparse ? 2 : mixed ? 1 : 0);
+      meta.add(static_cast<int64_t>(kept.size()));
+      meta.add(sparse ? 2 : mixed ? 1 : 0);
+      meta.add(bits[i]);
       for (int j = 0; j < (sparse ? 6 : mixed ? 5 : 3); ++j) kept.push_back(*c[j]);
     }
     ctx->save_for_backward(kept);
-    ctx->saved_data["first"] = first;
-    ctx->saved_data["kind"] = kinds;
-    ctx->saved_data["bits"] = bits;
-    ctx->saved_data["group_size"] = group_size;
-    ctx->saved_data["shape0"] = query.sizes();
-    ctx->saved_data["shape1"] = key.sizes();
-    ctx->saved_data["shape2"] = value.sizes();
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["drop"] = std::vector<int64_t>{threshold, s1, s2};
-    ctx->saved_data["drop_scale"] = drop_scale;
+    meta.add(query.sizes());
+    meta.add(key.sizes());
+    meta.add(value.sizes());
+    meta.save(ctx);
+    ctx->saved_data["scales"] = c10::List<double>({scale, drop_scale});
     return out;
   }
 
@@ -747,37 +833,41 @@ struct QAttentionFunction : public torch::autograd::Function<QAttentionFunction>
     no_second_derivative("scaled_dot_product_attention");
     const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
     const variable_list saved = ctx->get_saved_variables();
-    const auto first = ctx->saved_data["first"].toIntVector();
-    const auto kinds = ctx->saved_data["kind"].toIntVector();
-    const auto bits = ctx->saved_data["bits"].toIntVector();
-    const int64_t group_size = ctx->saved_data["group_size"].toInt();
-    auto shape = [&](size_t i) {
-      return ctx->saved_data["shape" + std::to_string(i)].toIntVector();
-    };
-    auto rows = [](const std::vector<int64_t>& s) {  // (prod(batch), rows, features)
-      return std::vector<int64_t>{c10::multiply_integers(s.begin(), s.end() - 2), s.end()[-2],
-                                  s.back()};
+    MetaReader meta(ctx);
+    const size_t payloads = static_cast<size_t>(meta.next());
+    const int64_t group_size = meta.next();
+    const bool causal = meta.flag();
+    const int64_t threshold = meta.next(), s1 = meta.next(), s2 = meta.next();
+    int64_t first[3], kinds[3], bits[3];
+    for (size_t i = 0; i < payloads; ++i) {
+      first[i] = meta.next();
+      kinds[i] = meta.next();
+      bits[i] = meta.next();
+    }
+    const Shape shapes[3] = {meta.shape(), meta.shape(), meta.shape()};
+    const c10::ArrayRef<c10::IValue> scales = ctx->saved_data["scales"].toListRef();
+    auto rows = [](at::IntArrayRef s) {  // (prod(batch), rows, features)
+      return std::array<int64_t, 3>{c10::multiply_integers(s.begin(), s.end() - 2),
+                                    s.end()[-2], s.back()};
     };
     auto payload = [&](size_t i) {  // q, k, v were quantized in their inputs' shapes
       const size_t f = static_cast<size_t>(first[i]);
-      const auto s = shape(i);
-      return decode_payload(saved, f, f + 3, kinds[i], s, at::kFloat, bits[i], group_size)
-          .reshape(rows(s));
+      return decode_payload(saved, f, f + 3, kinds[i], shapes[i], at::kFloat, bits[i],
+                            group_size)
+          .reshape(rows(shapes[i]));
     };
     const bool need_q = ctx->needs_input_grad(0), need_k = ctx->needs_input_grad(1),
                need_v = ctx->needs_input_grad(2);
     const at::Tensor q = payload(0), k = payload(1);
-    const OptTensor v = bits.size() > 2 ? OptTensor(payload(2)) : std::nullopt;
-    const auto drop = ctx->saved_data["drop"].toIntVector();
-    const auto v_rows = rows(shape(2));
+    const OptTensor v = payloads > 2 ? OptTensor(payload(2)) : std::nullopt;
+    const auto v_rows = rows(shapes[2]);
     const at::Tensor go = grads[0].reshape({v_rows[0], q.size(1), v_rows[2]});
     auto [dq, dk, dv] = attention_whole_backward_cpu(
-        go, q, k, v, ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-        drop[0], drop[1], drop[2], ctx->saved_data["drop_scale"].toDouble(), need_q, need_k,
-        need_v);
-    return {need_q ? dq.reshape(shape(0)) : at::Tensor(),
-            need_k ? dk.reshape(shape(1)) : at::Tensor(),
-            need_v ? dv.reshape(shape(2)) : at::Tensor(),
+        go, q, k, v, scales[0].toDouble(), causal, threshold, s1, s2, scales[1].toDouble(),
+        need_q, need_k, need_v);
+    return {need_q ? dq.reshape(shapes[0]) : at::Tensor(),
+            need_k ? dk.reshape(shapes[1]) : at::Tensor(),
+            need_v ? dv.reshape(shapes[2]) : at::Tensor(),
             {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
