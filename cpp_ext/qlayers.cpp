@@ -671,7 +671,9 @@ struct QDerivativeFunction : public torch::autograd::Function<QDerivativeFunctio
                              deriv.scalar_type() && deriv.sizes() == g.sizes())
                         ? deriv.mul_(g)
                         : g * deriv;
-    return {gi.to(in_dtype), {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+    // (to() of the dtype it has gives the tensor itself: the dispatch is skipped)
+    return {gi.scalar_type() == in_dtype ? gi : gi.to(in_dtype), {}, {}, {}, {}, {}, {}, {}, {},
+            {}, {}, {}};
   }
 };
 
@@ -762,9 +764,14 @@ struct QNormFunction : public torch::autograd::Function<QNormFunction> {
     }
     const bool need_w = has_weight && ctx->needs_input_grad(1);
     const bool need_b = has_bias && ctx->needs_input_grad(2);
+    // the gradients in the parameters' shapes: a view only where the kernel's differs (the
+    // same values; a view is a dispatch and a tensor more)
+    auto shaped = [](const at::Tensor& t, at::IntArrayRef shape) {
+      return t.sizes() == shape ? t : t.view(shape);
+    };
     return {need_x ? gi : at::Tensor(),
-            need_w ? gw.view(weight_shape) : at::Tensor(),
-            need_b ? gb.view(bias_shape) : at::Tensor(),
+            need_w ? shaped(gw, weight_shape) : at::Tensor(),
+            need_b ? shaped(gb, bias_shape) : at::Tensor(),
             {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
