@@ -510,12 +510,14 @@ NormSave save_normalized(const at::Tensor& x, at::Tensor out, at::Tensor mean, a
 }
 
 // The rows layout of codes at one width (rows back to back), as the kernels above read it.
+// Both filled by a loop (CPU tensors): at::full would be two more dispatches.
 std::pair<at::Tensor, at::Tensor> one_width_rows(int64_t n, int64_t d, int64_t bits,
                                                  const at::TensorOptions& opts) {
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8,
                     "bits must be 1, 2, 4 or 8, got ", bits);
   const int64_t row = (d * bits + 7) / 8;
-  at::Tensor row_bits = at::full({n}, bits, opts.dtype(at::kByte));
+  at::Tensor row_bits = at::empty({n}, opts.dtype(at::kByte));
+  std::fill_n(row_bits.data_ptr<uint8_t>(), n, static_cast<uint8_t>(bits));
   at::Tensor offsets = at::empty({n + 1}, opts.dtype(at::kLong));
   int64_t* o = offsets.data_ptr<int64_t>();
   for (int64_t i = 0; i <= n; ++i) o[i] = i * row;
@@ -532,7 +534,7 @@ at::Tensor corrected(at::Tensor gi, const at::Tensor& g, const std::optional<at:
     rounding_variance_correct_cpu(gi, g, *var, offset, stride, stat, stat_block, stat_period,
                                   weight, w_block, w_period, static_cast<double>(divisor));
   }
-  return gi.view(sizes);
+  return gi.sizes() == sizes ? gi : gi.view(sizes);  // (a view is a dispatch more)
 }
 
 }  // namespace
@@ -603,10 +605,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_fused_cpu(
                     "layer_norm_backward_fused: rows of ", f, " values do not tile the samples "
                     "of a gradient of shape ", grad.sizes());
   const int64_t n = grad.size(0), d = grad.numel() / n;
-  const at::Tensor g2 = grad.contiguous().view({-1, f});
+  // (rows, f) and the flat weight, views only where the shapes differ (a dispatch each)
+  const at::Tensor gc = grad.contiguous();
+  const at::Tensor g2 = gc.dim() == 2 && gc.size(1) == f ? gc : gc.view({-1, f});
   const auto [row_bits, offsets] = one_width_rows(n, d, bits, grad.options());
   std::optional<at::Tensor> w;
-  if (weight.has_value()) w = weight->reshape(-1);
+  if (weight.has_value()) w = weight->dim() == 1 ? *weight : weight->reshape(-1);
   auto [gi, gw, gb] = layer_norm_backward_codes_cpu(g2, data, lo, step, row_bits, offsets,
                                                     group_size, rstd.reshape(-1), w, need_input);
   if (need_input) {
