@@ -857,11 +857,13 @@ struct QAttentionFunction : public torch::autograd::Function<QAttentionFunction>
       return std::array<int64_t, 3>{c10::multiply_integers(s.begin(), s.end() - 2),
                                     s.end()[-2], s.back()};
     };
-    auto payload = [&](size_t i) {  // q, k, v were quantized in their inputs' shapes
+    // q, k, v were quantized in their inputs' shapes; decoded contiguous, so view() gives
+    // what reshape() would, one dispatch fewer
+    auto payload = [&](size_t i) {
       const size_t f = static_cast<size_t>(first[i]);
       return decode_payload(saved, f, f + 3, kinds[i], shapes[i], at::kFloat, bits[i],
                             group_size)
-          .reshape(rows(shapes[i]));
+          .view(rows(shapes[i]));
     };
     const bool need_q = ctx->needs_input_grad(0), need_k = ctx->needs_input_grad(1),
                need_v = ctx->needs_input_grad(2);
