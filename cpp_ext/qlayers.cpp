@@ -34,6 +34,7 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace actnn_zoo {
@@ -932,12 +933,13 @@ class OwnSaves {
   bool previous_ = false;
 };
 
-// `fn` with one more argument, own_saves (see OwnSaves), last.
+// `fn` with one more argument, own_saves (see OwnSaves), last. Arguments taken by value (qconv's
+// stride, padding, dilation) are moved on, not copied.
 template <typename R, typename... A>
 auto with_own_saves(R (*fn)(A...)) {
   return [fn](A... args, const pybind11::object& own_saves) -> R {
     OwnSaves guard(own_saves.ptr());
-    return fn(args...);
+    return fn(std::forward<A>(args)...);
   };
 }
 
