@@ -94,7 +94,7 @@ class InlineSwitch:
         self.bits, self.group_size = bits, group_size  # for layers that quantize themselves
 
 
-def _switch(module: Any) -> Any:
+def inline_switch(module: Any) -> Any:
     """The module's :class:`InlineSwitch` (None: not under :func:`actnn_zoo.compile`), read
     from its ``__dict__`` (where ``actnn_zoo.compile`` puts it): traced, ``getattr`` of a
     missing attribute goes through ``nn.Module.__getattr__``, and dynamo guards on each dict it
@@ -108,7 +108,7 @@ def inline_compiling(module: Any) -> bool:
     host-side hook of the library steps aside)."""
     if not _is_compiling():
         return False
-    switch = _switch(module)
+    switch = inline_switch(module)
     return switch is not None and switch.on
 
 
@@ -117,7 +117,7 @@ def graph_width(module: Any) -> Tuple[int, int]:
     quantizes itself: :func:`actnn_zoo.compile`'s setting while its switch is on, else the
     layer's own ``qconfig`` (a plain ``torch.compile`` of a converted model). One width per
     layer: a graph cannot take the strategies' per-sample widths (:class:`EagerHook`)."""
-    switch = _switch(module)
+    switch = inline_switch(module)
     if switch is not None and switch.on:
         return switch.bits, switch.group_size
     return module.qconfig.bits, module.qconfig.group_size

@@ -42,7 +42,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._compile import INLINE_ATTR, InlineSwitch
+from ._compile import INLINE_ATTR, InlineSwitch, inline_switch
 from ._session import dense_order, inverse_order
 from ._torch_private import (compiled_saved_from_float_input, compiled_saved_input_cast,
                              compiled_saved_output_index)
@@ -156,7 +156,7 @@ class CompressedCompile(nn.Module):
         super().__init__()
         self.module = module
         self.bits, self.group_size, self.min_numel = bits, group_size, min_numel
-        switch = getattr(module, INLINE_ATTR, None)
+        switch = inline_switch(module)
         if switch is None:
             switch = InlineSwitch(bits, group_size)
             for m in module.modules():
