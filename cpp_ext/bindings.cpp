@@ -51,6 +51,43 @@ void check_same_device(const at::Tensor& ref, const char* ref_name,
   TORCH_CHECK(false, "actnn_zoo._C.", fn, ": no kernel for tensors on ", t.device());
 }
 
+// The CUDA entries' argument checks, compiled here by the host compiler and run before any
+// nvcc-compiled code. On an H200 (torch 2.11, CUDA 13) a 1-d input to quantize crashed the
+// interpreter (SIGSEGV) inside quantize_cuda, whose failing check printed the tensor's sizes;
+// the checks before it, whose messages print no sizes, raised as they should. The same checks
+// stay in quant_cuda.cu, with messages that print no sizes.
+void check_cuda_rows(const char* fn, const at::Tensor& t, const char* name,
+                     const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size) {
+  TORCH_CHECK(t.dim() == 2, fn, ": ", name, " must be 2-d (N, D), got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), fn, ": ", name, " must be contiguous");
+  const at::ScalarType dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, fn, ": ", name,
+              " must be float32, float16 or bfloat16, got ", dt);
+  const int64_t n = t.size(0);
+  TORCH_CHECK(bits.scalar_type() == at::kByte && bits.dim() == 1 && bits.size(0) == n, fn,
+              ": bits must be uint8 of shape (", n, ",), got ", bits.scalar_type(), " ",
+              bits.sizes());
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+              offsets.size(0) == n + 1, fn, ": offsets must be int64 of shape (", n + 1,
+              ",), got ", offsets.scalar_type(), " ", offsets.sizes());
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, fn,
+              ": group_size must be a positive multiple of 8, got ", group_size);
+}
+
+void check_cuda_codes(const char* fn, const at::Tensor& out, const at::Tensor& data,
+                      const at::Tensor& lo, const at::Tensor& step, int64_t group_size) {
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1, fn,
+              ": data must be a 1-d uint8 tensor, got ", data.scalar_type(), " ", data.sizes());
+  const int64_t n = out.size(0), d = out.size(1);
+  const int64_t g = d == 0 ? 0 : (d - 1) / group_size + 1;
+  for (const at::Tensor* t : {&lo, &step}) {
+    const char* name = t == &lo ? "lo" : "step";
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == n &&
+                    t->size(1) == g, fn, ": ", name, " must be bfloat16 of shape (", n, ", ",
+                g, "), got ", t->scalar_type(), " ", t->sizes());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
     int64_t group_size, int64_t seed, bool stochastic) {
@@ -61,6 +98,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
   }
 #ifdef ACTNN_ZOO_CUDA
   if (x2d.is_cuda()) {
+    check_cuda_rows("quantize", x2d, "x2d", bits, offsets, group_size);
+    TORCH_CHECK(total >= 0, "quantize: total must be >= 0, got ", total);
     const c10::DeviceGuard guard(x2d.device());
     return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic);
   }
@@ -93,6 +132,8 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& lo, const at::Te
   }
 #ifdef ACTNN_ZOO_CUDA
   if (out.is_cuda()) {
+    check_cuda_rows("dequantize", out, "out", bits, offsets, group_size);
+    check_cuda_codes("dequantize", out, data, lo, step, group_size);
     const c10::DeviceGuard guard(out.device());
     return actnn_zoo::dequantize_cuda(data, lo, step, bits, offsets, group_size, out);
   }

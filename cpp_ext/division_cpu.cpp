@@ -330,6 +330,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> division_quantize(
   }
 #ifdef ACTNN_ZOO_CUDA
   if (x5.is_cuda()) {
+    // checked here, by the host compiler, before any nvcc-compiled code runs (see
+    // check_cuda_rows in bindings.cpp): the CUDA entry repeats them
+    division_checks::check_x5(x5, "x5");
+    division_checks::check_block_total(block, total);
+    division_checks::check_row_layout(bits, offsets, x5.size(0));
     const c10::DeviceGuard guard(x5.device());
     return division_quantize_cuda(x5, bits, offsets, total, block, has_low, seed, stochastic);
   }
@@ -353,6 +358,9 @@ at::Tensor division_dequantize(const at::Tensor& data, const at::Tensor& low,
   }
 #ifdef ACTNN_ZOO_CUDA
   if (out.is_cuda()) {
+    division_checks::check_x5(out, "out");  // as in division_quantize
+    division_checks::check_block_total(block, 0);
+    division_checks::check_row_layout(bits, offsets, out.size(0));
     const c10::DeviceGuard guard(out.device());
     return division_dequantize_cuda(data, low, lo, step, bits, offsets, block, has_low, out);
   }

@@ -24,6 +24,10 @@
 // pack_mask: one thread per output byte; unpack_mask: one thread per output element.
 // Inputs/outputs: float32, float16, bfloat16 (the CPU twin accepts the same three).
 //
+// Messages print no tensor sizes (IntArrayRef): on an H200 (torch 2.11, CUDA 13) a failing check
+// here whose message printed x2d.sizes() crashed the interpreter; bindings.cpp runs the same
+// checks, with sizes, before calling in.
+//
 // Memory safety without device synchronisation: the values of bits and offsets stay on the GPU
 // and are not validated on the host; instead every store is clipped to data[0, total) and every
 // code load to data[0, data.numel()), and a width outside {1, 2, 4, 8} packs nothing.
@@ -574,11 +578,11 @@ void check_rows(const char* fn, const at::Tensor& ref, const at::Tensor& bits,
   check_on(bits, ref, fn, "bits");
   check_on(offsets, ref, fn, "offsets");
   TORCH_CHECK(bits.scalar_type() == at::kByte && bits.dim() == 1 && bits.size(0) == n_rows, fn,
-              ": bits must be uint8 of shape (", n_rows, ",), got ", bits.scalar_type(), " ",
-              bits.sizes());
+              ": bits must be uint8 of shape (", n_rows, ",), got ", bits.scalar_type(), " of ",
+              bits.dim(), " dims");
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
               offsets.size(0) == n_rows + 1, fn, ": offsets must be int64 of shape (",
-              n_rows + 1, ",), got ", offsets.scalar_type(), " ", offsets.sizes());
+              n_rows + 1, ",), got ", offsets.scalar_type(), " of ", offsets.dim(), " dims");
 }
 
 void check_group_size(const char* fn, int64_t group_size) {
@@ -648,7 +652,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     int64_t group_size, int64_t seed, bool stochastic) {
   constexpr const char* fn = "quantize_cuda";
   TORCH_CHECK(x2d.is_cuda(), fn, ": x2d must be a CUDA tensor, got ", x2d.device());
-  TORCH_CHECK(x2d.dim() == 2, fn, ": x2d must be 2-d (N, D), got shape ", x2d.sizes());
+  TORCH_CHECK(x2d.dim() == 2, fn, ": x2d must be 2-d (N, D), got ", x2d.dim(), " dims");
   TORCH_CHECK(x2d.is_contiguous(), fn, ": x2d must be contiguous");
   const int64_t N = x2d.size(0), D = x2d.size(1);
   check_rows(fn, x2d, bits, offsets, N);
@@ -713,14 +717,15 @@ at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const a
                            at::Tensor& out) {
   constexpr const char* fn = "dequantize_cuda";
   TORCH_CHECK(out.is_cuda(), fn, ": out must be a CUDA tensor, got ", out.device());
-  TORCH_CHECK(out.dim() == 2, fn, ": out must be 2-d (N, D), got shape ", out.sizes());
+  TORCH_CHECK(out.dim() == 2, fn, ": out must be 2-d (N, D), got ", out.dim(), " dims");
   TORCH_CHECK(out.is_contiguous(), fn, ": out must be contiguous");
   dispatch_float(out.scalar_type(), fn, "out", [](auto) {});
   check_on(data, out, fn, "data");
   check_on(lo, out, fn, "lo");
   check_on(step, out, fn, "step");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1, fn,
-              ": data must be a 1-d uint8 tensor, got ", data.scalar_type(), " ", data.sizes());
+              ": data must be a 1-d uint8 tensor, got ", data.scalar_type(), " of ", data.dim(),
+              " dims");
   check_group_size(fn, group_size);
   const int64_t N = out.size(0), D = out.size(1);
   const int64_t G = groups_per_row(D, group_size);
@@ -730,7 +735,7 @@ at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const a
     TORCH_CHECK(t->scalar_type() == at::kBFloat16, fn, ": ", name, " must be bfloat16, got ",
                 t->scalar_type());
     TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == G, fn, ": ", name,
-                " must have shape (", N, ", ", G, "), got ", t->sizes());
+                " must have shape (", N, ", ", G, "), got ", t->dim(), " dims");
   }
   const int64_t octets_per_row = (D + 7) / 8;
   const int64_t work = N * octets_per_row;
@@ -799,7 +804,7 @@ at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
   TORCH_CHECK(grad.is_contiguous(), fn, ": grad must be contiguous");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous(),
               fn, ": packed must be a contiguous 1-d uint8 tensor, got ", packed.scalar_type(),
-              " ", packed.sizes());
+              " of ", packed.dim(), " dims");
   const int64_t n = grad.numel();
   TORCH_CHECK(packed.numel() == (n + 7) / 8, fn, ": packed mask of ", packed.numel(),
               " bytes does not hold ", n, " values (needs ", (n + 7) / 8, ")");

@@ -18,8 +18,11 @@ measured in this process on the same device:
   saved-bytes report for them (the graph saves what the hooks never see); their step peak
   says it.
 
-For each: saved-activation bytes of one training forward plus the loss (after the warm-up
-steps, so auto precision has applied its first allocation), the step's peak memory over what
+For each: the bytes the allocator holds after one training forward plus the loss, the graph
+alive (``memory_allocated``; the output and loss included), and the saved-activation bytes the
+saved-tensor hooks see (``actnn_zoo.memory``; a converted model's compressed payloads are not
+among them: an H200 run reported 0 there) -- both after the warm-up steps, so auto precision
+has applied its first allocation --, the step's peak memory over what
 is allocated between steps (``max_memory_allocated``), the median step time, every mode timed
 round-robin in one process, and the largest batch whose step peak stays under a cap. The
 largest batch is found from a linear fit of the peak at two batch sizes, then checked by
@@ -281,6 +284,27 @@ def saved_report(tr: Trainer, n: int) -> Dict[str, Any]:
     return out
 
 
+def held_bytes(tr: Trainer, n: int) -> Optional[int]:
+    """Bytes the allocator holds after a training forward plus the loss, the graph alive, over
+    what it held before: everything kept for backward (the output and loss included), seen
+    from the allocator, so a compressed payload the saved-tensor hooks never see counts too.
+    None off CUDA."""
+    dev = tr.device
+    if dev.type != "cuda":
+        return None
+    x, y = tr.work.batch(n, dev)
+    tr.opt.zero_grad(set_to_none=True)
+    _free(dev)
+    _sync(dev)
+    base = torch.cuda.memory_allocated(dev)
+    loss = tr.work.loss(tr.model(x), y)
+    _sync(dev)
+    held = torch.cuda.memory_allocated(dev) - base
+    del loss
+    _free(dev)
+    return held
+
+
 def step_times(trainers: Dict[str, Trainer], n: int, steps: int, rounds: int = 3
                ) -> Dict[str, List[float]]:
     batches = {m: tr.work.batch(n, tr.device) for m, tr in trainers.items()}
@@ -318,6 +342,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> Dict
             _sync(device)
             entry: Dict[str, Any] = {
                 "saved": None if mode in COMPILED_MODES else saved_report(tr, n)}
+            held = held_bytes(tr, n)
+            entry["held_mib"] = None if held is None else held / MiB
             peak = step_peak(tr, n)
             entry["peak_mib"] = None if peak is None else peak / MiB
             trainers[mode] = tr
@@ -362,26 +388,27 @@ def table(res: Dict[str, Any]) -> str:
     modes = res["modes"]
     fp = modes.get("fp32", {})
     lines = [f"### {res['describe']} (batch {res['batch']})", "",
-             "| mode | saved MiB | compression | step peak MiB | peak vs fp32 | step ms | "
-             f"step vs fp32 | samples/s | largest batch (cap {res['cap_gib']:g} GiB) | "
-             "vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | held after forward MiB | vs fp32 | saved (hooks) MiB | step peak MiB | "
+             f"peak vs fp32 | step ms | step vs fp32 | samples/s | largest batch (cap "
+             f"{res['cap_gib']:g} GiB) | vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(a: Optional[float], b: Optional[float], fmt: str = "{:.2f}x") -> str:
         return fmt.format(a / b) if a and b else "-"
 
-    fp_saved = fp.get("saved", {}).get("mib")
+    fp_held = fp.get("held_mib")
     fp_peak, fp_ms = fp.get("peak_mib"), fp.get("step_ms")
     fp_mb = (fp.get("max_batch") or {}).get("batch")
     for mode, e in modes.items():
         if "error" in e:
-            lines.append(f"| {mode} | failed: {e['error'][:120]} |||||||||")
+            lines.append(f"| {mode} | failed: {e['error'][:120]} ||||||||||")
             continue
         saved = (e.get("saved") or {}).get("mib")
         mb = (e.get("max_batch") or {}).get("batch")
+        held = e.get("held_mib")
         lines.append(
-            f"| {mode} | {'-' if saved is None else f'{saved:.1f}'} | "
-            f"{ratio(fp_saved, saved)} | "
+            f"| {mode} | {'-' if held is None else f'{held:.1f}'} | {ratio(fp_held, held)} | "
+            f"{'-' if saved is None else f'{saved:.1f}'} | "
             f"{e.get('peak_mib') or float('nan'):.0f} | {ratio(fp_peak, e.get('peak_mib'))} | "
             f"{e.get('step_ms', float('nan')):.1f} | {ratio(e.get('step_ms'), fp_ms)} | "
             f"{e.get('throughput', float('nan')):.1f} | {mb if mb else '-'} | "

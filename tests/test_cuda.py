@@ -539,13 +539,18 @@ def test_layer_autocast(name, amp_dtype):
 def test_auto_precision_steps_do_not_synchronise():
     """strategy: actnn on CUDA. After the first re-allocation has applied, training steps run
     under torch.cuda.set_sync_debug_mode('error'): any synchronising call (an .item(), a
-    blocking device-to-host copy) raises. SampleBits must match a widths tensor's result."""
+    blocking device-to-host copy) raises. SampleBits must match a widths tensor's result.
+
+    With update_interval 3 the strategy solves at steps 2 and 4 and applies each solve at the
+    next step: steps 4 (a solve on the device) and 5 (its read, which waits on one event) run
+    under the debug mode. (Written for an older schedule, this test expected a second update
+    by step 4; on an H200 it found updates == 1 there, which is the schedule's answer.)"""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
         torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.GELU(), torch.nn.Flatten(),
         torch.nn.Linear(16 * 8 * 8, 10)).to(DEV)
-    model = az.convert_model(model, strategy="actnn", bits=1.5)
+    model = az.convert_model(model, strategy="actnn", bits=1.5, update_interval=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 3, 8, 8, device=DEV) * torch.rand(32, 1, 1, 1, device=DEV) * 10
     y = torch.randint(0, 10, (32,), device=DEV)
@@ -555,17 +560,19 @@ def test_auto_precision_steps_do_not_synchronise():
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
-    for _ in range(3):  # step 2 solves, step 3 applies (its read waits on one event)
+    for _ in range(3):  # step 2 solves, step 3 applies
         step()
+    strategy = az.precision_strategy(model)
+    assert strategy.step == 3 and strategy.updates == 1
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step()  # per-sample widths only (the next re-allocation is solved here)
+        step()  # step 4: per-sample widths, and the next re-allocation is solved
+        step()  # step 5: that re-allocation applies
     finally:
         torch.cuda.set_sync_debug_mode(previous)
-    strategy = az.precision_strategy(model)
-    assert strategy.step == 4 and strategy.updates == 2
+    assert strategy.step == 5 and strategy.updates == 2
     widths = model[0].sample_bits
     assert isinstance(widths, SampleBits) and widths.bits.device.type == "cuda"
     assert int(widths.bits.sum()) <= widths.max_sum

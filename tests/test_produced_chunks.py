@@ -106,3 +106,29 @@ def test_norms_normalized_copy_in_chunks(make, shape, monkeypatch):
     for a, b, c in zip(g_whole, g_chunked, want):
         assert torch.equal(a, b)
         assert F.cosine_similarity(b.flatten(), c.flatten(), dim=0) >= 0.9999
+
+
+def test_chunks_and_tiles_are_larger_off_the_cpu():
+    """Off the CPU a chunk's host work outweighs a 1 MiB chunk's kernels (docs/results.md, GPU):
+    chunks are DEVICE_CHUNK_SCALE times larger there, attention tiles DEVICE_BLOCK_SCALE times.
+    At the H200 run's shapes: ResNet-50's first batch norm at batch 64 (64 x 64 x 112 x 112,
+    205 MB) was made in 64 chunks (one per sample), now 4; GPT-2 small's attention at batch 4,
+    sequence 1024 (48 x 1024 x 1024 scores) was 48 tiles, now 6."""
+    from actnn_zoo.functional import attention as fattn
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    bn = torch.Size((64, 64, 112, 112))
+    assert len(_saving.produce_bounds(bn, cpu)) - 1 == 64
+    assert _saving.produce_bounds(bn) == _saving.produce_bounds(bn, cpu)  # None: the CPU
+    after = _saving.produce_bounds(bn, cuda)
+    assert len(after) - 1 == 4 and after[0] == 0 and after[-1] == 64
+    # a tensor below one device chunk is made whole there, in chunks on the CPU
+    ln = torch.Size((4, 1024, 768))
+    assert _saving.produce_bounds(ln, cuda) is None and len(_saving.produce_bounds(ln, cpu)) == 5
+
+    def tiles(device):
+        nb, nr = fattn._tiles(48, 1024, 1024, fattn.tile_budget(device))
+        return -(-48 // nb) * -(-1024 // nr)
+
+    assert tiles(cpu) == 48 and tiles(cuda) == 6
+    assert fattn.tile_budget(cpu) == fattn.BLOCK_ELEMENTS

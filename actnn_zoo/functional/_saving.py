@@ -272,26 +272,40 @@ def dequantize_rows(item: Union[QuantizedTensor, SparseQuantizedTensor], start: 
 # A tensor made only to be compressed (an activation's derivative) is made and quantized this
 # many bytes at a time when it is larger: the whole float32 map never exists.
 PRODUCE_CHUNK_BYTES = 1 << 20
+# Off the CPU, chunks (and attention's score tiles) are this many times larger. A chunk costs a
+# fixed amount of host work (its Python, a dozen kernel launches: ~0.1 ms), which on a GPU
+# buys a 1 MiB chunk about a microsecond of kernels: a converted ResNet-50 at batch 64 made
+# ~2,700 batch-norm chunks a step and ran 8.4x fp32's step on an H200 (docs/results.md, GPU).
+# 64 MiB keeps the transient a small part of a GPU step's peak.
+DEVICE_CHUNK_SCALE = 64
 
 
-def produce_bounds(shape: torch.Size) -> Optional[List[int]]:
+def chunk_scale(device: Optional[torch.device]) -> int:
+    """How many times the CPU's chunk and tile sizes work on ``device`` (None: the CPU)."""
+    return 1 if device is None or device.type == "cpu" else DEVICE_CHUNK_SCALE
+
+
+def produce_bounds(shape: torch.Size, device: Optional[torch.device] = None
+                   ) -> Optional[List[int]]:
     """The sample bounds ``[0, ..., n]`` of the chunks in which :func:`compress_produced` makes
-    a float32 tensor of ``shape`` (each at most about ``PRODUCE_CHUNK_BYTES``), or None when
-    it is made whole (less than two chunks' worth, or one sample)."""
+    a float32 tensor of ``shape`` on ``device`` (each at most about ``PRODUCE_CHUNK_BYTES``
+    times :func:`chunk_scale`), or None when it is made whole (less than two chunks' worth,
+    or one sample)."""
     n = shape[0] if len(shape) >= 2 else 1
     total = shape.numel() * 4  # produced in float32
-    k = min(n, -(-total // PRODUCE_CHUNK_BYTES))
+    k = min(n, -(-total // (PRODUCE_CHUNK_BYTES * chunk_scale(device))))
     if k < 2:
         return None
     return [n * i // k for i in range(k + 1)]
 
 
 def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
-                      qconfig: LayerQConfig, bits: Optional[Bits] = None
-                      ) -> Optional[QuantizedTensor]:
-    """``compress(t)`` of a float tensor ``t`` of ``shape`` that exists only to be compressed,
-    made by ``produce(start, stop)`` (its samples ``start:stop``, contiguous, rows of dim 0) a
-    chunk of samples at a time, so that at most ``PRODUCE_CHUNK_BYTES`` of it exist at once.
+                      qconfig: LayerQConfig, bits: Optional[Bits] = None,
+                      device: Optional[torch.device] = None) -> Optional[QuantizedTensor]:
+    """``compress(t)`` of a float tensor ``t`` of ``shape`` on ``device`` (None: the CPU) that
+    exists only to be compressed, made by ``produce(start, stop)`` (its samples
+    ``start:stop``, contiguous, rows of dim 0) a chunk of samples at a time, so that at most
+    a chunk (:func:`produce_bounds`) of it exists at once.
 
     Why: a smooth activation computes its float32 derivative f'(x) in forward only to quantize
     it; whole, that map sat next to the layer's input and output and set the forward's peak
@@ -302,7 +316,7 @@ def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
     chunk with its own seed (the same contract: unbiased, per-group metadata).
     """
     b = qconfig.bits if bits is None else bits
-    bounds = produce_bounds(shape)
+    bounds = produce_bounds(shape, device)
     if bounds is None or qconfig.compressor != "quant" or qconfig.transform != "none":
         return None
     if isinstance(b, SampleBits) and b.bits.device.type != "cpu":

@@ -433,7 +433,7 @@ class DerivativeActivationFunction(torch.autograd.Function):
         if derivative is not None:  # made whole from this x already (see _deriv_apply)
             q, deriv = None, derivative
         else:
-            q = compress_produced(produce, shape, qconfig, bits)
+            q = compress_produced(produce, shape, qconfig, bits, x.device)
             deriv = activation_derivative(op, x, out, params) if q is None else None
         if not uses_out:
             out = _apply_op(op, x, params, inplace)
@@ -545,7 +545,7 @@ def _node_applies(op: str, x: Tensor, qconfig: LayerQConfig, bits: OptBits,
             and x.is_contiguous() and qconfig.compressor == "quant"
             and qconfig.transform == "none"
             and (bits is None or isinstance(bits, (int, SampleBits)))
-            and (derivative is not None or produce_bounds(x.shape) is None)
+            and (derivative is not None or produce_bounds(x.shape, x.device) is None)
             and (qconfig.backward_chunks <= 1 or x.numel() * 4 < _saving.CHUNK_MIN_BYTES)
             and (x.device.type == "cpu" or _CUDA_NODES)
             and not torch.is_autocast_enabled(x.device.type))

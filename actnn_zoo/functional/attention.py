@@ -6,9 +6,10 @@ the probabilities tile by tile in backward, with public torch ops only, so the s
 on CPU and CUDA:
 
 * **Forward** walks over tiles of (flattened batch x query rows), whole rows of ``S`` keys,
-  at most :data:`BLOCK_ELEMENTS` scores per tile (at least one row), in float32 (float64 for
-  float64 inputs): scores, scale, mask / causal, softmax, dropout, ``P @ v``. The peak is one
-  tile of scores plus its temporaries, never ``L x S`` per head.
+  at most :data:`BLOCK_ELEMENTS` scores per tile on the CPU, :data:`DEVICE_BLOCK_SCALE` times
+  that off it (at least one row), in float32 (float64 for float64 inputs): scores, scale,
+  mask / causal, softmax, dropout, ``P @ v``. The peak is one tile of scores plus its
+  temporaries, never ``L x S`` per head.
 * **Saved** (through :func:`~actnn_zoo.functional._saving.save`): ``compress(q)``,
   ``compress(k)`` and, when ``q``, ``k`` or the mask needs a gradient, ``compress(v)``
   (``qconfig.bits``, stochastic rounding; float64 inputs are compressed as float32, since
@@ -126,6 +127,13 @@ __all__ = ["ScaledDotProductAttentionFunction", "scaled_dot_product_attention",
 # one or two tiles of float32 temporaries, backward about three; dropout adds two int32 tiles
 # while a tile's mask is drawn.
 BLOCK_ELEMENTS = 1 << 20
+# Off the CPU tiles are this many times larger (32 MiB of scores). Each tile costs host work (its
+# Python, a few dozen kernel launches) that on a GPU outweighs a 4 MiB tile's kernels: GPT-2
+# small at batch 4, sequence 1024 made 48 tiles per layer (576 a step, each forward and
+# backward) and its step ran 13x fp32's on an H200, 1.13 s over it (docs/results.md, GPU);
+# 6 per layer at this size. Larger would cut host work further but add to the step's peak
+# (backward holds about three tiles).
+DEVICE_BLOCK_SCALE = 8
 
 _EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}  # exp() still a normal number
 
@@ -439,6 +447,11 @@ def _causal_(s: Tensor, r0: int, r1: int) -> None:
     -inf is added above it (one (rows, S) bias, broadcast over the batch)."""
     bias = torch.full(s.shape[-2:], float("-inf"), dtype=s.dtype, device=s.device)
     s.add_(bias.triu_(r0 + 1))
+
+
+def tile_budget(device: torch.device) -> int:
+    """Scores per tile on ``device`` (see :data:`DEVICE_BLOCK_SCALE`)."""
+    return BLOCK_ELEMENTS * (1 if device.type == "cpu" else DEVICE_BLOCK_SCALE)
 
 
 def _tiles(n: int, L: int, S: int, budget: int) -> Tuple[int, int]:
@@ -855,12 +868,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     p = float(dropout_p) if dropout_p > 0 else 0.0  # torch: dropout_p <= 0 is no dropout
     scale = None if scale is None else float(scale)
     # the call's plan, made once: the node's test reads it, else the Function runs with it
-    plan = _Plan(query.shape, key.shape, value.shape, bool(enable_gqa), query.device,
-                 BLOCK_ELEMENTS)
+    block = tile_budget(query.device)
+    plan = _Plan(query.shape, key.shape, value.shape, bool(enable_gqa), query.device, block)
     if _QATTENTION is not None and attn_mask is None:
         out = _attention_node(plan, query, key, value, p, bool(is_causal), scale, qconfig, bits)
         if out is not None:
             return out
     return ScaledDotProductAttentionFunction.apply(
         query, key, value, attn_mask, p, bool(is_causal), scale, bool(enable_gqa), qconfig,
-        bits, mask_round, BLOCK_ELEMENTS, plan)
+        bits, mask_round, block, plan)

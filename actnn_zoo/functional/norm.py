@@ -122,7 +122,7 @@ def _compress_normalized(xc: Tensor, mean: Tensor, invstd: Tensor, qconfig: Laye
         t = _normalize(xc[start:stop], rows(mean, start, stop), rows(invstd, start, stop))
         return t.float() if t.dtype == torch.float64 else t  # quantized through float32
 
-    q = compress_produced(produce, xc.shape, qconfig, bits)
+    q = compress_produced(produce, xc.shape, qconfig, bits, xc.device)
     return q if q is not None else compress(_normalize(xc, mean, invstd), qconfig, bits,
                                             maps=maps)
 

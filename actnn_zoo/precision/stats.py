@@ -309,7 +309,7 @@ def saved_tensor(kind: LayerKind, mod: nn.Module, rows: Tensor
     if kind.saved is same_tensor:
         return rows, None
     if kind.saved is _derivative:
-        if produce_bounds(rows.shape) is not None:
+        if produce_bounds(rows.shape, rows.device) is not None:
             return None, None
         d = _derivative(mod, rows)
         return d, d
@@ -331,7 +331,7 @@ def saved_statistic(kind: LayerKind, mod: nn.Module, rows: Tensor, group_size: i
 def chunked_statistic(mod: nn.Module, rows: Tensor, group_size: int) -> Tensor:
     """:func:`range_statistic` of an activation's f'(x) made in the chunks of samples its
     Function makes it in (where :func:`saved_tensor` gives None)."""
-    bounds = produce_bounds(rows.shape)
+    bounds = produce_bounds(rows.shape, rows.device)
     assert bounds is not None
     return torch.cat([range_statistic(_derivative(mod, rows[a:b]), group_size)
                       for a, b in zip(bounds[:-1], bounds[1:])])
