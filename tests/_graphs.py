@@ -28,6 +28,20 @@ def held_bytes(step: Callable[[], torch.Tensor]) -> int:
     return after - before
 
 
+def held_bytes_events(step: Callable[[], torch.Tensor]) -> int:
+    """Bytes a forward leaves alive (its output included), from torch.profiler's memory
+    events: allocations minus frees inside ``step``. Unlike :func:`held_bytes` (glibc's count
+    of live bytes) it does not move with the heap's history: the same forward gives the same
+    count whatever ran before it in the process."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = step()
+    held = sum(e.self_cpu_memory_usage for e in prof.events())
+    out.backward()
+    return held
+
+
 def min_cosine(ref: nn.Module, other: nn.Module) -> float:
     """The smallest gradient cosine over parameters; one with an all-zero reference gradient
     must have an all-zero gradient too (a cosine is undefined there)."""
