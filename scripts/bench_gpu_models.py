@@ -229,12 +229,21 @@ def step_peak(tr: Trainer, n: int) -> Optional[int]:
         _free(dev)
 
 
-def largest_batch(tr: Trainer, cap: int, n1: int, max_tries: int = 9) -> Dict[str, Any]:
+def largest_batch(tr: Trainer, cap: int, n1: int, max_tries: int = 9,
+                  seconds: Optional[float] = None) -> Dict[str, Any]:
     """Largest batch whose step peak is <= cap: linear prediction from batches n1 and 2 n1,
-    then tries around the prediction and bisection to 2%."""
+    then tries around the prediction and bisection to 2%. With ``seconds``, no new try starts
+    after that long: the batch found so far is reported, marked ``"stopped": "time"`` (on an
+    H200, GPT-2's search at 1.2 s a step took the GPU report's whole models phase)."""
     tries: List[Tuple[int, Optional[int]]] = []
+    start = time.perf_counter()
+    out_of_time = False
 
     def fits(n: int) -> bool:
+        nonlocal out_of_time
+        if seconds is not None and time.perf_counter() - start > seconds:
+            out_of_time = True
+            return False
         p = step_peak(tr, n)
         tries.append((n, p if p is not None else tr.last_error))
         return p is not None and p <= cap
@@ -258,14 +267,18 @@ def largest_batch(tr: Trainer, cap: int, n1: int, max_tries: int = 9) -> Dict[st
                     hi = up
         else:
             hi = cand
-    while hi is not None and hi - lo > max(1, int(lo * 0.02)) and len(tries) < max_tries:
+    while (hi is not None and hi - lo > max(1, int(lo * 0.02)) and len(tries) < max_tries
+           and not out_of_time):
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
         else:
             hi = mid
-    return {"batch": lo, "upper_bound_failed": hi, "predicted": pred, "tries": tries,
-            "fit_peaks_mib": [p1 / MiB, p2 / MiB]}
+    res = {"batch": lo, "upper_bound_failed": hi, "predicted": pred, "tries": tries,
+           "fit_peaks_mib": [p1 / MiB, p2 / MiB]}
+    if out_of_time:
+        res["stopped"] = "time"
+    return res
 
 
 def saved_report(tr: Trainer, n: int) -> Dict[str, Any]:
@@ -366,12 +379,13 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> Dict
             res["timing_error"] = f"{type(exc).__name__}: {exc}"
             print(f"[{name}] timing FAILED: {exc}", flush=True)
         _free(device)
-    if args.max_batch:
+    if args.max_batch and device.type == "cuda":  # the CPU's step peak is not measured (0)
         n1 = args.fit_batch.get(name) or n
         for mode, tr in trainers.items():
             t0 = time.perf_counter()
             try:
-                res["modes"][mode]["max_batch"] = largest_batch(tr, cap, n1)
+                res["modes"][mode]["max_batch"] = largest_batch(tr, cap, n1,
+                                                                seconds=args.max_batch_seconds)
             except Exception as exc:
                 res["modes"][mode]["max_batch"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"[{name}] {mode}: max batch {res['modes'][mode]['max_batch'].get('batch')} "
@@ -405,13 +419,15 @@ def table(res: Dict[str, Any]) -> str:
             continue
         saved = (e.get("saved") or {}).get("mib")
         mb = (e.get("max_batch") or {}).get("batch")
+        mb_text = "-" if not mb else (f">= {mb}" if (e.get("max_batch") or {}).get("stopped")
+                                      else str(mb))
         held = e.get("held_mib")
         lines.append(
             f"| {mode} | {'-' if held is None else f'{held:.1f}'} | {ratio(fp_held, held)} | "
             f"{'-' if saved is None else f'{saved:.1f}'} | "
             f"{e.get('peak_mib') or float('nan'):.0f} | {ratio(fp_peak, e.get('peak_mib'))} | "
             f"{e.get('step_ms', float('nan')):.1f} | {ratio(e.get('step_ms'), fp_ms)} | "
-            f"{e.get('throughput', float('nan')):.1f} | {mb if mb else '-'} | "
+            f"{e.get('throughput', float('nan')):.1f} | {mb_text} | "
             f"{ratio(mb, fp_mb)} |")
     d = modes.get("2-bit default", {}).get("saved")
     if d and res["model"] == "gpt2":
@@ -444,6 +460,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="per model step-peak cap for the largest batch")
     p.add_argument("--time-steps", type=int, default=12)
     p.add_argument("--no-max-batch", dest="max_batch", action="store_false")
+    p.add_argument("--max-batch-seconds", type=float, default=45.0,
+                   help="per model and mode: no new largest-batch try after this long (the "
+                        "batch found so far is reported as a lower bound)")
     p.add_argument("--quick", action="store_true", help="tiny models: checks the script")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
