@@ -51,6 +51,7 @@ void check_same_device(const at::Tensor& ref, const char* ref_name,
   TORCH_CHECK(false, "actnn_zoo._C.", fn, ": no kernel for tensors on ", t.device());
 }
 
+#ifdef ACTNN_ZOO_CUDA
 // The CUDA entries' argument checks, compiled here by the host compiler and run before any
 // nvcc-compiled code. On an H200 (torch 2.11, CUDA 13) a 1-d input to quantize crashed the
 // interpreter (SIGSEGV) inside quantize_cuda, whose failing check printed the tensor's sizes;
@@ -87,6 +88,7 @@ void check_cuda_codes(const char* fn, const at::Tensor& out, const at::Tensor& d
                 g, "), got ", t->scalar_type(), " ", t->sizes());
   }
 }
+#endif  // ACTNN_ZOO_CUDA
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
@@ -105,6 +107,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
   }
 #endif
   no_kernel("quantize", x2d);
+}
+
+// quantize's CUDA path through the lean kernel (quant_cuda.cu) where it applies: for the
+// parity tests and scripts/bench_cuda.py, until a GPU run makes it the default.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_lean(
+    const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
+    int64_t group_size, int64_t seed, bool stochastic) {
+  RECORD_USER_SCOPE("actnn_zoo::quantize");
+  check_same_device(x2d, "x2d", {{&bits, "bits"}, {&offsets, "offsets"}});
+#ifdef ACTNN_ZOO_CUDA
+  if (x2d.is_cuda()) {
+    check_cuda_rows("quantize_lean", x2d, "x2d", bits, offsets, group_size);
+    TORCH_CHECK(total >= 0, "quantize_lean: total must be >= 0, got ", total);
+    const c10::DeviceGuard guard(x2d.device());
+    return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic,
+                                    /*lean=*/true);
+  }
+#endif
+  TORCH_CHECK(false, "actnn_zoo._C.quantize_lean: CUDA tensors only (a CUDA build), got one on ",
+              x2d.device(), "; quantize is the same on every device");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_affine(
@@ -368,6 +390,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("total"), py::arg("group_size"), py::arg("seed"), py::arg("stochastic"),
         "(N, D) contiguous float32/float16/bfloat16 -> (packed uint8 data [total], lo bf16 "
         "(N, G), step bf16 (N, G)); bits (N,) uint8, offsets (N + 1,) int64.");
+  m.def("quantize_lean", &quantize_lean, nogil, py::arg("x2d"), py::arg("bits"),
+        py::arg("offsets"), py::arg("total"), py::arg("group_size"), py::arg("seed"),
+        py::arg("stochastic"),
+        "quantize on CUDA through the lean kernel where it applies (one warp per group, "
+        "16-byte aligned rows): the same results, fewer instructions. Not yet the default.");
   m.def("quantize_affine", &quantize_affine, nogil, py::arg("x2d"), py::arg("shift"),
         py::arg("scale"), py::arg("row_stride"), py::arg("block"), py::arg("bits"),
         py::arg("offsets"), py::arg("total"), py::arg("group_size"), py::arg("seed"),

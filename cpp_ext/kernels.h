@@ -151,9 +151,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_fused_cpu(
 // captured with, so every replay would round alike and the codes stop being unbiased across
 // steps. Stochastic rounding only; ``fn`` names the caller in the message.
 void check_not_capturing(const char* fn);
+// lean: the lean kernel where it applies (quant_cuda.cu: one warp per group, vector loads),
+// the same results with fewer instructions; not the default until a GPU run checks its parity.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic);
+    int64_t group_size, int64_t seed, bool stochastic, bool lean = false);
 at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& lo, const at::Tensor& step,
                            const at::Tensor& bits, const at::Tensor& offsets, int64_t group_size,
                            at::Tensor& out);

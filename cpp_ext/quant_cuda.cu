@@ -348,6 +348,119 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// quantize, lean form (quantize_lean_cuda; not yet the default: needs a GPU run to check parity)
+// ------------------------------------------------------------------------------------------------
+// The H200 profile of quantize_kernel (docs/results.md, GPU): bound by instructions, ~1,085 warp
+// instructions per 256-value group (~136 per value and lane), DRAM at 17.8%. This form covers
+// the default layout -- one warp per group (32 lanes of one octet: group_size in (128, 256]),
+// rows 16-byte aligned with D % 8 == 0 -- with the same results and fewer instructions:
+// * the range is a min and a max of order keys (the float's bits, negatives' magnitude bits
+//   flipped: monotone in the value, -0.0 below +0.0, as min_ordered/max_ordered order them),
+//   and non-finite values are seen in the reduced keys themselves (+Inf/NaN above +Inf's key,
+//   -Inf/-NaN below -Inf's): no per-value flag, two shuffles a level instead of three;
+// * the code's NaN test is fmaxf's (fmaxf(NaN, 0) is 0, what the test wrote);
+// * the hash of value j of an octet is that of the octet's first index xor j (the first index
+//   is a multiple of 8), one xor a value before fmix32;
+// * the width is a template argument (its shifts, level count and store size constants),
+//   dispatched once per group (warp-uniform: one group per warp).
+// Lanes of a short last group (c < 8) take the general helpers.
+__device__ __forceinline__ int32_t order_key(uint32_t u) {
+  return static_cast<int32_t>(u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) >> 1));
+}
+__device__ __forceinline__ float key_value(int32_t k) {  // order_key's inverse
+  const uint32_t u = static_cast<uint32_t>(k);
+  return __uint_as_float(u ^ (static_cast<uint32_t>(k >> 31) >> 1));
+}
+constexpr int32_t kKeyPosInf = 0x7F800000;                  // order_key(+Inf)
+constexpr int32_t kKeyNegInf = static_cast<int32_t>(0x807FFFFFu);  // order_key(-Inf)
+
+template <int B>
+__device__ __forceinline__ uint64_t pack_lean(const float v[8], const Meta& m, uint32_t hbase,
+                                              bool stochastic) {
+  uint64_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float u = stochastic
+        ? static_cast<float>(fmix32(hbase ^ static_cast<uint32_t>(j)) >> 8) * (1.0f / 16777216.0f)
+        : 0.5f;
+    const float t = __fadd_rn(__fmul_rn(__fsub_rn(v[j], m.lo), m.inv), u);
+    const float q = fminf(fmaxf(floorf(t), 0.0f), m.lv);
+    word |= static_cast<uint64_t>(static_cast<uint32_t>(q)) << (j * B);
+  }
+  return word;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+quantize_lean_kernel(const T* __restrict__ x, const QuantArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t p = warp; p < a.pairs; p += stride) {  // warp-uniform: one pair per warp
+    const int64_t n = p / a.G;
+    const int64_t g = p - n * a.G;
+    const int64_t glen = min(a.group_size, a.D - g * a.group_size);  // >= 1
+    const int b = a.bits[n];
+    const int64_t first = n * a.D + g * a.group_size;
+    const int64_t e = 8 * static_cast<int64_t>(lane);
+    const int c = static_cast<int>(max(static_cast<int64_t>(0), min(static_cast<int64_t>(8), glen - e)));
+    float v[8];
+    load_octet(x, first + e, c, true, v);  // rows are 16-byte aligned, D % 8 == 0 (a.vec)
+    int32_t kmn = INT_MAX, kmx = INT_MIN;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < c) {
+        const int32_t k = order_key(__float_as_uint(v[j]));
+        kmn = min(kmn, k);
+        kmx = max(kmx, k);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      kmn = min(kmn, __shfl_xor_sync(kFullMask, kmn, off));
+      kmx = max(kmx, __shfl_xor_sync(kFullMask, kmx, off));
+    }
+    const Range r{key_value(kmn), key_value(kmx), kmx >= kKeyPosInf || kmn <= kKeyNegInf};
+    const float lv = static_cast<float>((1u << min(b, 31)) - 1u);
+    const Meta m = group_meta_of(r, lv);
+    if (lane == 0) {
+      a.lo[p] = m.lo_bits;
+      a.step[p] = m.step_bits;
+    }
+    if (valid_width(b) && c > 0) {
+      const int64_t group_byte = a.offsets[n] + (g * (a.group_size >> 3)) * b;
+      const int64_t pos = group_byte + (e >> 3) * b;
+      const int nbytes = (c * b + 7) >> 3;
+      uint64_t word;
+      if (c == 8) {
+        const uint64_t i0 = static_cast<uint64_t>(first + e);
+        const uint32_t hbase = static_cast<uint32_t>(i0) ^ a.key ^
+                               (static_cast<uint32_t>(i0 >> 32) * 0x85EBCA6Bu);
+        switch (b) {
+          case 1: word = pack_lean<1>(v, m, hbase, a.stochastic); break;
+          case 2: word = pack_lean<2>(v, m, hbase, a.stochastic); break;
+          case 4: word = pack_lean<4>(v, m, hbase, a.stochastic); break;
+          default: word = pack_lean<8>(v, m, hbase, a.stochastic); break;
+        }
+      } else {
+        word = pack_octet(v, c, m, b, first + e, a.key, a.stochastic);
+      }
+      store_bytes(a.data, a.total, pos, word, nbytes, b);
+    }
+    // bytes that belong to no row: as quantize_kernel
+    if (g == a.G - 1) {
+      const int64_t row_end = a.offsets[n] + (valid_width(b) ? (a.D * b + 7) / 8 : 0);
+      const int64_t next = (n + 1 == a.N) ? a.total : min(a.offsets[n + 1], a.total);
+      for (int64_t i = max(row_end, static_cast<int64_t>(0)) + lane; i < next; i += 32) a.data[i] = 0;
+    }
+    if (p == 0) {
+      const int64_t head = min(a.offsets[0], a.total);
+      for (int64_t i = lane; i < head; i += 32) a.data[i] = 0;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // dequantize
 // ------------------------------------------------------------------------------------------------
 // fp32 result -> out dtype, round to nearest even; NaN -> the positive quiet NaN the CPU produces.
@@ -649,7 +762,7 @@ void check_not_capturing(const char* fn) {
 // packs nothing (codes 0), like the reference.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
     const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets, int64_t total,
-    int64_t group_size, int64_t seed, bool stochastic) {
+    int64_t group_size, int64_t seed, bool stochastic, bool lean) {
   constexpr const char* fn = "quantize_cuda";
   TORCH_CHECK(x2d.is_cuda(), fn, ": x2d must be a CUDA tensor, got ", x2d.device());
   TORCH_CHECK(x2d.dim() == 2, fn, ": x2d must be 2-d (N, D), got ", x2d.dim(), " dims");
@@ -702,6 +815,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(
   dispatch_float(x2d.scalar_type(), fn, "x2d", [&](auto tag) {
     using T = decltype(tag);
     const T* x = x2d.data_ptr<T>();
+    if (lean && noct == 1 && lpg_log2 == 5 && a.vec) {  // one warp per group, vector loads
+      const int64_t per_block = kWarpsPerBlock;
+      quantize_lean_kernel<T><<<grid_for(a.pairs, per_block), kThreads, 0, stream>>>(x, a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
     switch (noct) {
       case 1: launch_quantize<T, 1>(x, a, stream); break;
       case 2: launch_quantize<T, 2>(x, a, stream); break;

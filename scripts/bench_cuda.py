@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nearest", action="store_true", help="round to nearest instead")
+    p.add_argument("--lean", action="store_true",
+                   help="also time _C.quantize_lean (the lean kernel, not yet the default)")
     p.add_argument("--json", type=Path, help="write the figures here as well")
     args = p.parse_args(argv)
 
@@ -104,6 +106,14 @@ def main(argv=None) -> int:
                           args.repeats, args.warmup)
         meta = lo.numel() * 2 + step.numel() * 2
         rows.append(("quantize", b, t_q, numel * 4 + total + meta))     # read x, write codes
+        if args.lean and hasattr(ext, "quantize_lean"):
+            lean = ext.quantize_lean(x, bits, offsets, total, gs, 1234, stochastic)
+            same = all(torch.equal(u, v) for u, v in zip(lean, (data, lo, step)))
+            t_l = _median_ms(lambda: ext.quantize_lean(x, bits, offsets, total, gs, 1234,
+                                                       stochastic), args.repeats, args.warmup)
+            rows.append(("quant. lean" if same else "lean DIFFERS", b, t_l,
+                         numel * 4 + total + meta))
+            del lean
         rows.append(("dequantize", b, t_dq, total + meta + numel * 4))  # read codes, write x
         del data, lo, step
     results = []

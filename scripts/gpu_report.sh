@@ -7,7 +7,8 @@
 #   PHASES="build suite" bash scripts/gpu_report.sh  # the whole test suite on the GPU machine
 #
 # Phases (PHASES, in this order): build, cuda_tests (tests/test_cuda.py and every other test
-# whose name says cuda or sync, 8 processes), kernels (stochastic, then nearest rounding),
+# whose name says cuda or sync, 8 processes), kernels (stochastic, then nearest rounding; the
+# lean quantize kernel beside the default),
 # profile (Nsight Compute on one quantize launch; not by default), models, step_profile
 # (torch.profiler's self CPU time per op of a GPT-2 and a ResNet-50 step; not by default), compiled
 # (torch.compile of the plain model, actnn_zoo.compile of the default and torch.compile of the
@@ -64,13 +65,13 @@ run_phase cuda_tests 360 test_cuda.log \
   -k "cuda or Cuda or sync"
 
 run_phase kernels 150 kernels.log \
-  bash -c "'$PY' scripts/bench_cuda.py --gib 1 --bits 1 2 4 8 --repeats 20 --json '$OUTDIR/kernels.json' && '$PY' scripts/bench_cuda.py --gib 1 --bits 2 8 --repeats 20 --nearest"
+  bash -c "'$PY' scripts/bench_cuda.py --gib 1 --bits 1 2 4 8 --repeats 20 --lean --json '$OUTDIR/kernels.json' && '$PY' scripts/bench_cuda.py --gib 1 --bits 2 8 --repeats 20 --nearest --lean"
 
 # One stochastic 2-bit quantize launch of 256 MiB (the fourth, after warm-up), every section of
-# Nsight Compute's detailed set, clocks left alone.
+# Nsight Compute's detailed set, clocks left alone; the general kernel, then the lean one.
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)"
 run_phase profile 150 profile.log \
-  bash -c "[ -n '$NCU' ] || { echo 'no ncu on this machine'; exit 3; }; '$NCU' --clock-control none --set detailed --kernel-name regex:quantize_kernel --launch-skip 3 --launch-count 1 '$PY' scripts/bench_cuda.py --gib 0.25 --bits 2 --repeats 1 --warmup 3"
+  bash -c "[ -n '$NCU' ] || { echo 'no ncu on this machine'; exit 3; }; for k in quantize_kernel quantize_lean_kernel; do '$NCU' --clock-control none --set detailed --kernel-name regex:\$k --launch-skip 3 --launch-count 1 '$PY' scripts/bench_cuda.py --gib 0.25 --bits 2 --repeats 1 --warmup 3 --lean || exit; done"
 
 run_phase models 480 models.log \
   "$PY" scripts/bench_gpu_models.py --json "$OUTDIR/models.json"

@@ -203,6 +203,60 @@ def test_special_values(dtype, stochastic):
                          out_dtypes=(torch.float32, torch.float16, torch.bfloat16))
 
 
+# ----------------------------------------------------------------------------------------------
+# the lean quantize kernel (_C.quantize_lean; not yet the default): the same bytes as the CPU
+# ----------------------------------------------------------------------------------------------
+def check_lean(x2d, bits, group_size, seed=0, stochastic=True):
+    """_C.quantize_lean on CUDA against _C.quantize on the CPU: codes, lo and step bit for bit
+    (the mixed-zero groups' metadata compared as numbers, as check_parity does)."""
+    x_cpu = x2d.detach().cpu().contiguous()
+    b, offsets, total = _layout(x_cpu, bits)
+    want = _C.quantize(x_cpu, b, offsets, total, group_size, seed, stochastic)
+    got = _C.quantize_lean(x_cpu.to(DEV), b.to(DEV), offsets.to(DEV), total, group_size, seed,
+                           stochastic)
+    mixed_zero = _mixed_zero_groups(x_cpu, group_size)
+    _assert_bytes_equal(want[0], got[0], "packed codes (lean cuda vs cpu)")
+    _assert_meta_equal(want[1], got[1], "lo (lean cuda vs cpu)", mixed_zero)
+    _assert_meta_equal(want[2], got[2], "step (lean cuda vs cpu)", mixed_zero)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_lean_quantize_equals_cpu(dtype, stochastic):
+    """Every width, uniform and mixed rows; group sizes the lean kernel takes (129-256: one
+    warp a group, lanes past the group's end idle) and ones it leaves to the general kernel;
+    rows that end in a short group; rows of D % 8 != 0 (the general kernel); specials."""
+    g = torch.Generator().manual_seed(7 + stochastic)
+    for d in (256, 2048, 2056, 1000, 8, 2501):
+        x = (torch.randn(6, d, generator=g) * torch.logspace(-2, 2, 6).unsqueeze(1)).to(dtype)
+        for gs in (256, 136, 200, 248, 32, 264):
+            for bits in (1, 2, 4, 8, [1, 2, 4, 8, 2, 1]):
+                check_lean(x, bits, gs, seed=d + gs, stochastic=stochastic)
+    for d in (300, 2100):
+        x = _specials(d, dtype)
+        for bits in (1, 2, 4, 8):
+            check_lean(x, bits, 256, seed=d + bits, stochastic=stochastic)
+
+
+def test_lean_quantize_extremes_and_seeds():
+    rows = [[3.4e38, -3.4e38, 1.0, 0.0] * 64, [3.3e38, 3.39e38, 3.0e38, 1e38] * 64,
+            [-3.39e38, 0.0, 0.0, 0.0] * 64, [1e-45, 0.0, 0.0, 0.0] * 64,
+            [-0.0, 0.0] * 128, [float("-inf")] + [1.0] * 255, [float("nan")] + [2.0] * 255]
+    x = torch.tensor(rows)
+    for bits in (1, 2, 4, 8):
+        check_lean(x, bits, 256)
+    big = torch.randn(3, 1 << 20)  # indices past 2^21: the hash's high word
+    for seed in (0, 1, 2 ** 31 - 1):
+        check_lean(big, 2, 256, seed=seed)
+
+
+def test_lean_quantize_refuses_cpu_tensors():
+    x = torch.randn(2, 256)
+    b, offsets, total = _layout(x, 2)
+    with pytest.raises(RuntimeError, match="CUDA tensors only"):
+        _C.quantize_lean(x, b, offsets, total, 256, 0, True)
+
+
 def test_extreme_magnitudes():
     rows = [[3.4e38, -3.4e38, 1.0, 0.0] * 4,        # range overflows fp32: NaN group
             [3.3e38, 3.39e38, 3.0e38, 1e38] * 4,      # near the top of bf16
