@@ -218,12 +218,22 @@ def test_whole_model_inside_a_checkpoint_still_trains():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_save_on_cpu_offloads_compressed_activations_on_cuda():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_save_on_cpu_offloads_compressed_activations_on_cuda(chunked, monkeypatch):
     """On CUDA: with ``save_on_cpu(pin_memory=True)`` the device memory held after the forward
     is about what it holds with no saved activations at all (the payload-free level: the
     output); the compressed payloads went to the host. One payload may stay on the device: the
     store's cache keeps a payload while the tensor it was made from lives (here the input
-    ``x``, 2 bits of 4096 x 1024 plus ranges: ~1.1 MiB)."""
+    ``x``, 2 bits of 4096 x 1024 plus ranges: ~1.1 MiB).
+
+    ``chunked``: each GELU's derivative made in 1 MiB chunks by the Python Function, the path
+    this test took on an H200 before chunks off the CPU were 64x larger, where its backward
+    raised "saved tensors ... already freed" in the store's boxed-group read (docs/results.md,
+    GPU). Not fixed; kept so that a GPU run still takes that path."""
+    from actnn_zoo.functional import _saving
+
+    if chunked:
+        monkeypatch.setattr(_saving, "DEVICE_CHUNK_SCALE", 1)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU())
