@@ -272,11 +272,12 @@ def dequantize_rows(item: Union[QuantizedTensor, SparseQuantizedTensor], start: 
 # A tensor made only to be compressed (an activation's derivative) is made and quantized this
 # many bytes at a time when it is larger: the whole float32 map never exists.
 PRODUCE_CHUNK_BYTES = 1 << 20
-# Off the CPU, chunks (and attention's score tiles) are this many times larger. A chunk costs a
-# fixed amount of host work (its Python, a dozen kernel launches: ~0.1 ms), which on a GPU
-# buys a 1 MiB chunk about a microsecond of kernels: a converted ResNet-50 at batch 64 made
-# ~2,700 batch-norm chunks a step and ran 8.4x fp32's step on an H200 (docs/results.md, GPU).
-# 64 MiB keeps the transient a small part of a GPU step's peak.
+# Off the CPU, chunks are this many times larger (attention's score tiles: DEVICE_BLOCK_SCALE).
+# A chunk costs a fixed amount of host work (14-27 us of Python on the CPU, then its kernel
+# launches), which on a GPU buys a 1 MiB chunk about a microsecond of kernels: a converted
+# ResNet-50 at batch 64 made 1,868 batch-norm chunks a step and ran 8.4x fp32's step on an
+# H200 (docs/results.md, GPU; scripts/bench_chunk_cost.py); 74 at this size. 64 MiB keeps the
+# transient a small part of a GPU step's peak.
 DEVICE_CHUNK_SCALE = 64
 
 
