@@ -88,6 +88,17 @@ void check_cuda_codes(const char* fn, const at::Tensor& out, const at::Tensor& d
                 g, "), got ", t->scalar_type(), " ", t->sizes());
   }
 }
+
+// quantize on a CUDA tensor: the checks above, then the kernels (lean: the lean kernel where it
+// applies; quant_cuda.cu).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_on_cuda(
+    const char* fn, const at::Tensor& x2d, const at::Tensor& bits, const at::Tensor& offsets,
+    int64_t total, int64_t group_size, int64_t seed, bool stochastic, bool lean) {
+  check_cuda_rows(fn, x2d, "x2d", bits, offsets, group_size);
+  TORCH_CHECK(total >= 0, fn, ": total must be >= 0, got ", total);
+  const c10::DeviceGuard guard(x2d.device());
+  return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic, lean);
+}
 #endif  // ACTNN_ZOO_CUDA
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
@@ -100,10 +111,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(
   }
 #ifdef ACTNN_ZOO_CUDA
   if (x2d.is_cuda()) {
-    check_cuda_rows("quantize", x2d, "x2d", bits, offsets, group_size);
-    TORCH_CHECK(total >= 0, "quantize: total must be >= 0, got ", total);
-    const c10::DeviceGuard guard(x2d.device());
-    return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic);
+    return quantize_on_cuda("quantize", x2d, bits, offsets, total, group_size, seed, stochastic,
+                            /*lean=*/false);
   }
 #endif
   no_kernel("quantize", x2d);
@@ -118,11 +127,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_lean(
   check_same_device(x2d, "x2d", {{&bits, "bits"}, {&offsets, "offsets"}});
 #ifdef ACTNN_ZOO_CUDA
   if (x2d.is_cuda()) {
-    check_cuda_rows("quantize_lean", x2d, "x2d", bits, offsets, group_size);
-    TORCH_CHECK(total >= 0, "quantize_lean: total must be >= 0, got ", total);
-    const c10::DeviceGuard guard(x2d.device());
-    return actnn_zoo::quantize_cuda(x2d, bits, offsets, total, group_size, seed, stochastic,
-                                    /*lean=*/true);
+    return quantize_on_cuda("quantize_lean", x2d, bits, offsets, total, group_size, seed,
+                            stochastic, /*lean=*/true);
   }
 #endif
   TORCH_CHECK(false, "actnn_zoo._C.quantize_lean: CUDA tensors only (a CUDA build), got one on ",

@@ -348,7 +348,7 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// quantize, lean form (quantize_lean_cuda; not yet the default: needs a GPU run to check parity)
+// quantize, lean form (_C.quantize_lean; not yet the default: needs a GPU run to check parity)
 // ------------------------------------------------------------------------------------------------
 // The H200 profile of quantize_kernel (docs/results.md, GPU): bound by instructions, ~1,085 warp
 // instructions per 256-value group (~136 per value and lane), DRAM at 17.8%. This form covers
@@ -367,9 +367,8 @@ quantize_kernel(const T* __restrict__ x, const QuantArgs a) {
 __device__ __forceinline__ int32_t order_key(uint32_t u) {
   return static_cast<int32_t>(u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) >> 1));
 }
-__device__ __forceinline__ float key_value(int32_t k) {  // order_key's inverse
-  const uint32_t u = static_cast<uint32_t>(k);
-  return __uint_as_float(u ^ (static_cast<uint32_t>(k >> 31) >> 1));
+__device__ __forceinline__ float key_value(int32_t k) {  // order_key is its own inverse
+  return __uint_as_float(static_cast<uint32_t>(order_key(static_cast<uint32_t>(k))));
 }
 constexpr int32_t kKeyPosInf = 0x7F800000;                  // order_key(+Inf)
 constexpr int32_t kKeyNegInf = static_cast<int32_t>(0x807FFFFFu);  // order_key(-Inf)

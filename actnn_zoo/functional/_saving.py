@@ -282,7 +282,8 @@ DEVICE_CHUNK_SCALE = 64
 
 
 def chunk_scale(device: Optional[torch.device]) -> int:
-    """How many times the CPU's chunk and tile sizes work on ``device`` (None: the CPU)."""
+    """How many times the CPU's chunk size (``PRODUCE_CHUNK_BYTES``) the chunks on ``device``
+    are (None: the CPU)."""
     return 1 if device is None or device.type == "cpu" else DEVICE_CHUNK_SCALE
 
 
