@@ -110,6 +110,28 @@ def test_save_on_cpu_gives_the_same_gradients():
         assert torch.equal(a, b)
 
 
+def test_a_box_owns_its_node():
+    """What the store keeps for a boxed save is the :class:`_Box` call's output, which owns
+    the node that holds the outer hooks' packs. Before torch 2.13 the ``grad_fn`` object of a
+    custom Function (its ``ctx``) holds the node only weakly: a store that kept ``grad_fn``
+    alone found the saves freed at the first read ("saved tensors ... already freed"). With
+    torch 2.11, five tests of this file failed that way (``save_on_cpu`` on an H200 among
+    them) and pass with the output kept; torch 2.13 keeps the node either way, so here the
+    test checks the holder's type and that the saves read back after a collection."""
+    import gc
+
+    from actnn_zoo.capture.store import _box, _box_saved
+
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t.clone(),
+                                                  lambda t: t.clone()):
+        box = _box(torch.empty(0, requires_grad=True), (torch.arange(3.0), torch.ones(2)))
+    gc.collect()
+    assert isinstance(box, Tensor) and box.grad_fn is not None and len(packed) == 2
+    a, b = _box_saved(box)
+    assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.ones(2))
+
+
 def test_retain_graph_reads_boxed_saves_twice():
     torch.manual_seed(0)
     q = az.convert_model(_Net(), bits=4, strategy="uniform")
@@ -227,9 +249,10 @@ def test_save_on_cpu_offloads_compressed_activations_on_cuda(chunked, monkeypatc
     ``x``, 2 bits of 4096 x 1024 plus ranges: ~1.1 MiB).
 
     ``chunked``: each GELU's derivative made in 1 MiB chunks by the Python Function, the path
-    this test took on an H200 before chunks off the CPU were 64x larger, where its backward
-    raised "saved tensors ... already freed" in the store's boxed-group read (docs/results.md,
-    GPU). Not fixed; kept so that a GPU run still takes that path."""
+    this test took on an H200 (torch 2.11) before chunks off the CPU were 64x larger, where its
+    backward raised "saved tensors ... already freed" in the store's boxed-group read: the
+    store kept the box's ``grad_fn``, which before torch 2.13 does not own its node
+    (:func:`test_a_box_owns_its_node`). Both paths are kept."""
     from actnn_zoo.functional import _saving
 
     if chunked:

@@ -23,8 +23,8 @@ Two jobs, one object:
   pack hands what it keeps -- the payload tensors (codes, ranges, masks) and the tensors it
   passes through -- to those hooks: it steps out of its own hooks for the moment, saves them
   through a one-node identity Function (:class:`_Box`) whose ``save_for_backward`` the outer
-  hooks pack, and keeps that node; ``unpack`` reads them back through
-  ``node.saved_tensors``. So ``save_on_cpu`` offloads compressed activations.
+  hooks pack, and keeps its output (which owns the node); ``unpack`` reads them back through
+  the node's ``saved_tensors``. So ``save_on_cpu`` offloads compressed activations.
 
 The store lives for one forward (a :class:`~actnn_zoo.capture.CaptureSession`); afterwards only
 the payloads autograd holds remain.
@@ -223,11 +223,23 @@ class _Box(torch.autograd.Function):
         return (None,) * (1 + len(ctx.saved_tensors))
 
 
-def _box(anchor: Tensor, tensors: Sequence[Tensor]) -> Any:
-    """The node of one :class:`_Box` call saving ``tensors`` (detached: an op's output saved
-    with its graph would close a reference cycle through the node)."""
+def _box(anchor: Tensor, tensors: Sequence[Tensor]) -> Tensor:
+    """The output of one :class:`_Box` call saving ``tensors`` (detached: an op's output saved
+    with its graph would close a reference cycle through the node); :func:`_box_saved` reads
+    them back.
+
+    The output, not its ``grad_fn``, is what owns the node: before torch 2.13 the Python
+    object ``grad_fn`` returns for a custom Function (its ``ctx``) holds only a weak reference
+    to the node, which autograd destroys, freeing the saves, as soon as the output dies; the
+    first read then raises "saved tensors ... already freed" (seen with torch 2.11 under
+    ``save_on_cpu``)."""
     with torch.enable_grad():
-        return _Box.apply(anchor, *[t.detach() for t in tensors]).grad_fn
+        return _Box.apply(anchor, *[t.detach() for t in tensors])
+
+
+def _box_saved(box: Tensor) -> Tuple[Tensor, ...]:
+    """The tensors a :func:`_box` call saved, as the outer unpack hooks give them back."""
+    return box.grad_fn.saved_tensors
 
 
 def outer_hooks_present() -> bool:
@@ -244,10 +256,10 @@ def outer_hooks_present() -> bool:
     if _HOOKS_ACTIVE is not None:
         return _HOOKS_ACTIVE()
     probe = torch.zeros(1)
-    node = _box(torch.empty(0, requires_grad=True), (probe,))
+    box = _box(torch.empty(0, requires_grad=True), (probe,))
     probe.add_(1.0)
     try:
-        node.saved_tensors
+        _box_saved(box)
     except RuntimeError:
         return False
     return True
@@ -259,16 +271,16 @@ class _Group:
     the tensors read back are held until each of the ``uses`` saves has taken its own, so the
     outer unpack runs once per round, not once per tensor."""
 
-    __slots__ = ("node", "index", "uses", "_read", "_left")
+    __slots__ = ("box", "index", "uses", "_read", "_left")
 
-    def __init__(self, node: Any, index: Dict[int, int]) -> None:
-        self.node, self.index, self.uses = node, index, 0
+    def __init__(self, box: Tensor, index: Dict[int, int]) -> None:
+        self.box, self.index, self.uses = box, index, 0
         self._read: Optional[Tuple[Tensor, ...]] = None
         self._left = 0
 
     def take(self, i: int) -> Tensor:
         if self._read is None:
-            self._read, self._left = self.node.saved_tensors, self.uses
+            self._read, self._left = _box_saved(self.box), self.uses
         t = self._read[i]
         self._left -= 1
         if self._left <= 0:
@@ -277,21 +289,21 @@ class _Group:
 
 
 class _Boxed:
-    """What autograd keeps for a save while outer hooks exist: the :class:`_Box` node holding
-    the kept tensors (as the outer hooks packed them) and how to rebuild the saved value.
-    ``kind``: 't' a tensor as it was, 'q' a payload (``meta`` = class, spec, permutation),
-    'm' a 1-bit mask (``meta`` = shape, permutation), 'g' one tensor of a :class:`_Group`
-    (``node`` = the group, ``meta`` = its position)."""
+    """What autograd keeps for a save while outer hooks exist: the :func:`_box` output whose
+    node holds the kept tensors (as the outer hooks packed them) and how to rebuild the saved
+    value. ``kind``: 't' a tensor as it was, 'q' a payload (``meta`` = class, spec,
+    permutation), 'm' a 1-bit mask (``meta`` = shape, permutation), 'g' one tensor of a
+    :class:`_Group` (``box`` = the group, ``meta`` = its position)."""
 
-    __slots__ = ("node", "kind", "meta")
+    __slots__ = ("box", "kind", "meta")
 
-    def __init__(self, node: Any, kind: str, meta: Any) -> None:
-        self.node, self.kind, self.meta = node, kind, meta
+    def __init__(self, box: Any, kind: str, meta: Any) -> None:
+        self.box, self.kind, self.meta = box, kind, meta
 
     def restore(self) -> Tensor:
         if self.kind == "g":
-            return self.node.take(self.meta)
-        tensors = self.node.saved_tensors
+            return self.box.take(self.meta)
+        tensors = _box_saved(self.box)
         if self.kind == "t":
             return tensors[0]
         if self.kind == "q":
@@ -343,7 +355,7 @@ class CompressedStore:
         self._plain = False  # set by keep(): its saves pass pack's first test (see there)
         self.hooks: Optional[Any] = None
         self._anchor: Optional[Tensor] = None
-        self._boxes: Dict[int, Tuple["weakref.ref[Any]", Any]] = {}  # payload id -> node
+        self._boxes: Dict[int, Tuple["weakref.ref[Any]", Tensor]] = {}  # payload id -> box
         self._group: Optional[_Group] = None  # the box of keep()'s tensors, once one is packed
         self.after_no_grad = False  # set by the tier-2 mode (CaptureMode.__torch_function__)
 
@@ -593,17 +605,17 @@ class CompressedStore:
 
     def _boxed(self, saved: Any) -> _Boxed:
         """``saved`` handed to the outer hooks (see the module docstring). A payload several
-        ops save is boxed once: every save of it reads the same node."""
+        ops save is boxed once: every save of it reads the same box."""
         if isinstance(saved, _Compressed):
             q = saved.q
             hit = self._boxes.get(id(q))
-            node = hit[1] if hit is not None and hit[0]() is q else None
-            if node is None:
-                node = self._box_now(q.tensors())
+            box = hit[1] if hit is not None and hit[0]() is q else None
+            if box is None:
+                box = self._box_now(q.tensors())
                 key = id(q)
                 self._boxes[key] = (weakref.ref(q, functools.partial(_evict, self._boxes, key)),
-                                    node)
-            return _Boxed(node, "q", (type(q), q.spec(), saved.perm))
+                                    box)
+            return _Boxed(box, "q", (type(q), q.spec(), saved.perm))
         if isinstance(saved, _Mask):
             return _Boxed(self._box_now((saved.packed,)), "m", (saved.shape, saved.perm))
         return _Boxed(self._box_now((saved,)), "t", None)
@@ -620,7 +632,7 @@ class CompressedStore:
         group.uses += 1
         return _Boxed(group, "g", group.index[id(t)])
 
-    def _box_now(self, tensors: Sequence[Tensor]) -> Any:
+    def _box_now(self, tensors: Sequence[Tensor]) -> Tensor:
         """One :class:`_Box` call with the session's hooks off the stack (they are its top
         while this pack runs), so that the hooks below pack ``tensors``."""
         if self._anchor is None:
