@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from ._compile import INLINE_ATTR, InlineSwitch, inline_switch
 from ._session import dense_order, inverse_order
 from ._torch_private import (compiled_saved_from_float_input, compiled_saved_input_cast,
-                             compiled_saved_output_index)
+                             compiled_saved_output_index, tracing_compiled_saves)
 from .nn._base import QModule
 from .quant import check_bits, check_group_size
 from .quant import ops
@@ -72,7 +72,7 @@ def pack(x: Tensor, bits: int, group_size: int, min_numel: int) -> tuple:
     without a graph (its recompile limit reached, a frame it skips) -- it keeps ``x`` as it
     is: the Q-layers then run their own Functions, which compress, and every other save
     (parameters included) reaches this hook with none of the graph's facts about it."""
-    if not torch.compiler.is_compiling() or x.numel() < min_numel \
+    if not tracing_compiled_saves() or x.numel() < min_numel \
             or x.layout != torch.strided \
             or not (x.dtype == torch.bool or x.dtype in _FLOATS) \
             or (x.dtype != torch.bool and _statistic(x)) \

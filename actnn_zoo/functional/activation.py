@@ -326,8 +326,13 @@ _DERIV_OPS = ("gelu", "silu", "sigmoid", "tanh", "elu", "softplus", "hardswish",
 
 
 def _opmath(t: Tensor) -> Tensor:
-    """float32 for half/bf16/float32 (torch's opmath type), float64 stays float64."""
-    return t if t.dtype == torch.float64 else t.float()
+    """float32 for half/bf16/float32 (torch's opmath type), float64 stays float64.
+
+    A float32 tensor is returned as it is, not through ``t.float()`` (the same tensor): with
+    torch 2.11, dynamo tracing a traced Function whose forward computed f'(x) from
+    ``out.float()`` of its own output gave every gradient zero (sigmoid, tanh;
+    ``tests/test_compile.py``)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def activation_derivative(op: str, x: Tensor, y: Optional[Tensor] = None,
