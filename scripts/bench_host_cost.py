@@ -219,18 +219,23 @@ def build_steps(name: str, modes: Sequence[str], backend: str = "inductor"
         elif mode != "fp32" and mode not in FLOORS:
             raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
 
+        forwards: list = []  # each step's forward (and loss), thread CPU seconds
+
         def step(model: nn.Module = model, python: bool = mode.endswith("-python"),
                  floor: Optional[Callable[[], contextlib.AbstractContextManager]] =
-                 FLOORS.get(mode)) -> None:
+                 FLOORS.get(mode), forwards: list = forwards) -> None:
             with python_functions() if python else contextlib.nullcontext():
+                t0 = time.thread_time()
                 if floor is None:
-                    loss_of(model).backward()
+                    loss = loss_of(model)
                 else:
                     with floor():  # the forward only, as capture's session
                         loss = loss_of(model)
-                    loss.backward()
+                forwards.append(time.thread_time() - t0)
+                loss.backward()
             for p in model.parameters():
                 p.grad = None
+        step.forwards = forwards  # type: ignore[attr-defined]
         steps[mode] = step
     return steps, n_q
 
@@ -276,6 +281,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--count", action="store_true",
                    help="also count each mode's Python calls and torch operators per step "
                         "(actnn_zoo.bench.host_work: the same in every run, unlike the time)")
+    p.add_argument("--split", action="store_true",
+                   help="also the median forward (with the loss) and backward (with the "
+                        "gradients' release) per mode: where the extra time is spent")
     p.add_argument("--steady-malloc", action="store_true",
                    help="run with glibc's malloc keeping freed memory (GLIBC_TUNABLES, "
                         "STEADY_MALLOC; the script restarts itself with it): no page faults "
@@ -315,9 +323,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   and "compiled-fp32" in med else "")
             print(f"{k:17s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell} | {vs:8s} | "
                   f"{mean[k] / mean['fp32']:11.2f} | {counted[k].per_step():7.0f}")
+        if args.split:
+            _print_split(steps, times, modes, args.warmup)
         if args.count:
             _print_work(steps, modes, n_q)
     return 0
+
+
+def _print_split(steps: Dict[str, Callable[[], None]], times: Dict[str, list],
+                 modes: Sequence[str], warmup: int) -> None:
+    """Median forward and rest-of-step (backward) per mode, and their ratios to fp32's."""
+    split = {}
+    for k in modes:
+        fw = steps[k].forwards[warmup:]  # type: ignore[attr-defined]
+        n = min(len(fw), len(times[k]))  # the timed steps, in order (after the warm-up)
+        split[k] = (statistics.median(fw[-n:]) * 1e3,
+                    statistics.median(t - f for t, f in zip(times[k][-n:], fw[-n:])) * 1e3)
+    f0, b0 = split["fp32"]
+    print(f"{'mode':17s} | {'forward ms':>10s} | {'x fp32':>7s} | {'backward ms':>11s} | "
+          f"{'x fp32':>7s}")
+    for k in modes:
+        f, b = split[k]
+        print(f"{k:17s} | {f:10.2f} | {f / f0:7.2f} | {b:11.2f} | {b / b0:7.2f}")
 
 
 def _print_work(steps: Dict[str, Callable[[], None]], modes: Sequence[str], n_q: int) -> None:

@@ -10,12 +10,12 @@
 # inside AOTAutograd's hook tracing, dynamo's handling of aliases) broke three things on the
 # GPU machine's torch 2.11 that 2.13 never showed (docs/results.md, "Other torch releases").
 #
-# What it does: a venv at .venv-torch-<version> (or $VENV) with that torch from PyPI (on Linux x86_64
-# that is a CUDA build, ~4.5 GB with its nvidia packages; it runs on the CPU), the test
-# dependencies, and a copy of the committed tree (git archive HEAD, plus the working tree's
-# changes to tracked files) under build/torch-<version>, where the extension is built for the
-# CPU only (ACTNN_ZOO_NO_CUDA=1; ~6 min on 2 cores). Not part of CI: CI must not download a
-# CUDA build of torch.
+# What it does: a venv at .venv-torch-<version> (or $VENV) with that torch from PyPI (on
+# Linux x86_64 a CUDA build, ~4.5 GB with its nvidia packages; it runs on the CPU) and the
+# test dependencies of requirements-dev.txt resolved against it; a copy of the committed tree
+# (git archive HEAD, plus the working tree's changes to tracked files) under
+# build/torch-<version>, where the extension is built for the CPU only (ACTNN_ZOO_NO_CUDA=1;
+# ~6 min on 2 cores). Not part of CI: CI must not download a CUDA build of torch.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VERSION="${1:?usage: bash scripts/test_torch_version.sh <torch version> [pytest args]}"
@@ -27,8 +27,7 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, sys; \
         sys.exit(torch.__version__.split('+')[0] != '$VERSION')" 2>/dev/null; then
     "$PY" -m venv "$VENV"
-    "$VENV/bin/pip" install -q "torch==$VERSION" numpy pytest hypothesis pyyaml ninja \
-        setuptools wheel scikit-learn scipy matplotlib sphinx
+    "$VENV/bin/pip" install -q "torch==$VERSION" -r "$ROOT/requirements-dev.txt" scipy
 fi
 
 rm -rf "$TREE"

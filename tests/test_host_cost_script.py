@@ -204,3 +204,21 @@ def test_steady_malloc_restarts_only_the_script(capsys):
     with pytest.raises(SystemExit):
         mod.main(["--models", "gpt2", "--modes", "default", "--steady-malloc"])
     assert "restarts the process" in capsys.readouterr().err
+
+
+def test_split_reports_forward_and_backward_per_mode(capsys):
+    """--split: the median forward and backward per mode; each a positive share of the step,
+    with its ratio to fp32's."""
+    mod = _script()
+    assert mod.main(["--models", "gpt2", "--modes", "default", "--steps", "3", "--rounds", "1",
+                     "--warmup", "2", "--split"]) == 0
+    out = capsys.readouterr().out
+    steps = {line.split("|")[0].strip(): float(line.split("|")[1])
+             for line in out.splitlines() if line.count("|") == 6 and "ms/step" not in line}
+    split = {line.split("|")[0].strip(): [float(c) for c in line.split("|")[1:]]
+             for line in out.splitlines() if line.count("|") == 4 and "forward" not in line}
+    assert list(split) == ["fp32", "default"]
+    f0, _, b0, _ = split["fp32"]
+    for mode, (fw, fr, bw, br) in split.items():
+        assert 0 < fw < steps[mode] * 1.5 and 0 < bw < steps[mode] * 1.5
+        assert fr == pytest.approx(fw / f0, abs=0.01) and br == pytest.approx(bw / b0, abs=0.01)
