@@ -121,6 +121,18 @@ def _compiled_saved_node():
     return node if getattr(node, "op", None) == "call_function" else None
 
 
+def compiled_saved_hooks_supported() -> bool:
+    """Whether this torch's AOTAutograd puts saved-tensor hooks into the compiled graph and
+    tells them which node they pack (``_get_saved_tensor_hook_context``): 2.11 and 2.13 do;
+    2.6 does not (its dynamo breaks the graph at the hooks, which then keep every tensor)."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import (  # noqa: F401
+            _get_saved_tensor_hook_context)
+    except ImportError:
+        return False
+    return True
+
+
 def tracing_compiled_saves() -> bool:
     """Whether AOTAutograd is tracing a saved-tensor pack hook into a compiled graph. torch
     2.13 says so through ``torch.compiler.is_compiling()``; torch 2.11 answers False there (so

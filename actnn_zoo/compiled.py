@@ -44,8 +44,9 @@ from torch import Tensor, nn
 
 from ._compile import INLINE_ATTR, InlineSwitch, inline_switch
 from ._session import dense_order, inverse_order
-from ._torch_private import (compiled_saved_from_float_input, compiled_saved_input_cast,
-                             compiled_saved_output_index, tracing_compiled_saves)
+from ._torch_private import (compiled_saved_from_float_input, compiled_saved_hooks_supported,
+                             compiled_saved_input_cast, compiled_saved_output_index,
+                             tracing_compiled_saves)
 from .nn._base import QModule
 from .quant import check_bits, check_group_size
 from .quant import ops
@@ -197,6 +198,10 @@ def compile(model: nn.Module, *, bits: Optional[int] = None, group_size: Optiona
     1 bit. Train through the returned module (``compiled(x)``); ``model`` itself still runs
     eagerly as converted. Widths are uniform here: the precision strategies do not allocate
     per layer inside a compiled graph.
+
+    Needs a torch whose AOTAutograd compiles saved-tensor hooks into the graph (2.11 and 2.13
+    do, 2.6 does not): elsewhere it raises rather than compile a graph that compresses
+    nothing; ``torch.compile(convert_model(model))`` (the Q-layers' traced forms) works there.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"actnn_zoo.compile expects an nn.Module, got {type(model).__name__}")
@@ -205,4 +210,11 @@ def compile(model: nn.Module, *, bits: Optional[int] = None, group_size: Optiona
     group_size = check_group_size(default_group if group_size is None else group_size)
     if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
         raise ValueError(f"min_numel must be a positive int, got {min_numel!r}")
+    if not compiled_saved_hooks_supported():
+        raise RuntimeError(
+            f"actnn_zoo.compile needs a torch whose AOTAutograd compiles saved-tensor hooks "
+            f"into the graph (2.11 and 2.13 do); torch {torch.__version__} does not, so the "
+            f"graph would keep every activation uncompressed. Use "
+            f"torch.compile(actnn_zoo.convert_model(model)) instead: its Q-layers save "
+            f"through their traced forms.")
     return CompressedCompile(model, bits, group_size, min_numel, dict(compile_kwargs))

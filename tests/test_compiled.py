@@ -19,9 +19,15 @@ from torch import nn
 
 import actnn_zoo as az
 from actnn_zoo._compile import INLINE_ATTR
+from actnn_zoo._torch_private import compiled_saved_hooks_supported
 
 from _graphs import (counting, grad_nodes, held_bytes, min_cosine, no_dropout,
                      train_30_steps)
+
+# actnn_zoo.compile refuses a torch without compiled saved-tensor hooks (torch 2.6;
+# test_a_torch_without_compiled_saved_hooks_is_refused); CI's torch has them
+pytestmark = pytest.mark.skipif(not compiled_saved_hooks_supported(),
+                                reason="this torch cannot compile saved-tensor hooks")
 
 
 def _cnn() -> nn.Module:
@@ -132,6 +138,17 @@ def test_bad_arguments_are_named():
         az.compile(_cnn(), group_size=10)
     with pytest.raises(ValueError, match="min_numel"):
         az.compile(_cnn(), min_numel=0)
+
+
+def test_a_torch_without_compiled_saved_hooks_is_refused(monkeypatch):
+    """Where AOTAutograd cannot put the pack hooks into the graph (torch 2.6: dynamo broke the
+    graph there and the hooks kept every tensor raw), compile raises and names the way that
+    works, instead of returning a graph that compresses nothing."""
+    from actnn_zoo import compiled
+
+    monkeypatch.setattr(compiled, "compiled_saved_hooks_supported", lambda: False)
+    with pytest.raises(RuntimeError, match=r"saved-tensor hooks.*torch\.compile\(actnn_zoo"):
+        az.compile(_cnn())
 
 
 def test_resnet50_one_graph_compressed_and_trains(one_thread):

@@ -158,7 +158,7 @@ class Capture:
     def _pre(self, module: nn.Module, args: Any) -> Any:
         plain = plain_inputs(args)  # another converted model's output: an ordinary tensor here
         self._open(module)
-        return None if plain is args else plain
+        return plain
 
     def _open(self, module: nn.Module) -> None:
         if torch.compiler.is_compiling():

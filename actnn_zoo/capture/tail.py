@@ -27,7 +27,7 @@ itself (calls run on the object, not on a copy). A converted root given a
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -133,9 +133,12 @@ def wrap_outputs(output: Any, routing: TailRouting) -> Any:
     return output
 
 
-def plain_inputs(args: Tuple) -> Tuple:
+def plain_inputs(args: Tuple) -> Optional[Tuple]:
     """A converted root's positional inputs with :class:`CapturedOutput` made plain (one
-    model's output feeding another: the session's tiers must see an ordinary tensor)."""
+    model's output feeding another: the session's tiers must see an ordinary tensor); None
+    when every input is plain already (what a forward pre-hook returns to change nothing:
+    no identity test of the tuple, which dynamo 2.6 traced as a comparison of its tensors and
+    refused as data-dependent control flow)."""
     if not any(isinstance(a, CapturedOutput) for a in args):
-        return args
+        return None
     return tuple(plain(a) for a in args)
