@@ -128,7 +128,7 @@ def test_relu_double_backward_linear_in_grad():
     res = []
     for mod in (nn.ReLU(), qnn.QReLU()):
         leaf = x.clone().requires_grad_(True)
-        g = torch.randn_like(x, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
         (gi,) = torch.autograd.grad(mod(leaf * 1), leaf, g, create_graph=True)
         (gg,) = torch.autograd.grad((gi * gi).sum(), g)
         res.append((gi.detach(), gg))
