@@ -8,8 +8,9 @@ attributes, QConv's padding widths come from ``padding`` / ``kernel_size`` / ``d
 """
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -107,30 +108,33 @@ def inside_checkpoint() -> bool:
     return _checkpoint_frame_within(sys._getframe(1), None)
 
 
-def _compiled_saved_node():
-    """The forward-graph node whose value :func:`actnn_zoo.compile`'s pack hook is packing,
-    None outside such a hook. torch exposes it only through ``_get_saved_tensor_hook_context``
-    ("may change without backward compatibility"); where that is missing, None."""
+@functools.lru_cache(maxsize=None)
+def _hook_context_reader() -> Optional[Callable[[], Any]]:
+    """torch's ``_get_saved_tensor_hook_context`` ("may change without backward
+    compatibility"), or None where this torch has none; imported at the first need, not with
+    the package (it loads AOTAutograd)."""
     try:
         from torch._functorch._aot_autograd.graph_compile import (
             _get_saved_tensor_hook_context)
     except ImportError:
         return None
-    state = _get_saved_tensor_hook_context()
+    return _get_saved_tensor_hook_context
+
+
+def _compiled_saved_node():
+    """The forward-graph node whose value :func:`actnn_zoo.compile`'s pack hook is packing,
+    None outside such a hook or where torch does not say (:func:`_hook_context_reader`)."""
+    reader = _hook_context_reader()
+    state = reader() if reader is not None else None
     node = state.get("_node", state.get("node")) if isinstance(state, dict) else None
     return node if getattr(node, "op", None) == "call_function" else None
 
 
 def compiled_saved_hooks_supported() -> bool:
     """Whether this torch's AOTAutograd puts saved-tensor hooks into the compiled graph and
-    tells them which node they pack (``_get_saved_tensor_hook_context``): 2.11 and 2.13 do;
-    2.6 does not (its dynamo breaks the graph at the hooks, which then keep every tensor)."""
-    try:
-        from torch._functorch._aot_autograd.graph_compile import (  # noqa: F401
-            _get_saved_tensor_hook_context)
-    except ImportError:
-        return False
-    return True
+    tells them which node they pack: 2.11 and 2.13 do; 2.6 does not (its dynamo breaks the
+    graph at the hooks, which then keep every tensor)."""
+    return _hook_context_reader() is not None
 
 
 def tracing_compiled_saves() -> bool:

@@ -324,21 +324,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{k:17s} | {med[k]:8.2f} | {med[k] / med['fp32']:7.2f} | {cell} | {vs:8s} | "
                   f"{mean[k] / mean['fp32']:11.2f} | {counted[k].per_step():7.0f}")
         if args.split:
-            _print_split(steps, times, modes, args.warmup)
+            _print_split(steps, times, modes)
         if args.count:
             _print_work(steps, modes, n_q)
     return 0
 
 
 def _print_split(steps: Dict[str, Callable[[], None]], times: Dict[str, list],
-                 modes: Sequence[str], warmup: int) -> None:
+                 modes: Sequence[str]) -> None:
     """Median forward and rest-of-step (backward) per mode, and their ratios to fp32's."""
     split = {}
     for k in modes:
-        fw = steps[k].forwards[warmup:]  # type: ignore[attr-defined]
-        n = min(len(fw), len(times[k]))  # the timed steps, in order (after the warm-up)
-        split[k] = (statistics.median(fw[-n:]) * 1e3,
-                    statistics.median(t - f for t, f in zip(times[k][-n:], fw[-n:])) * 1e3)
+        # the timed steps were the last ones run (after the warm-up), in order
+        fw = steps[k].forwards[-len(times[k]):]  # type: ignore[attr-defined]
+        split[k] = (statistics.median(fw) * 1e3,
+                    statistics.median(t - f for t, f in zip(times[k], fw)) * 1e3)
     f0, b0 = split["fp32"]
     print(f"{'mode':17s} | {'forward ms':>10s} | {'x fp32':>7s} | {'backward ms':>11s} | "
           f"{'x fp32':>7s}")
