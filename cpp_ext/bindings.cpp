@@ -368,7 +368,8 @@ at::Tensor allocate_widths(const at::Tensor& score, double extra) {
 // range_statistic of x's rows (the contract's: dim 0 the sample), raised to `exponent` when
 // given (a 0-d float32 tensor: torch's pow, as score.pow(exponent)), then allocate_widths.
 // Returns (score, widths): one call for three (each a pybind crossing and a Python frame on a
-// path that runs per layer per step), x read as it is (no detached row view made first).
+// path that runs per layer per step), x read as it is through its pointer. Two operator calls
+// in all besides the pow (the two outputs' allocations): no row view, no zero or one fills.
 std::tuple<at::Tensor, at::Tensor> choose_widths(const at::Tensor& x, int64_t group_size,
                                                  const std::optional<at::Tensor>& exponent,
                                                  double extra) {
@@ -376,10 +377,15 @@ std::tuple<at::Tensor, at::Tensor> choose_widths(const at::Tensor& x, int64_t gr
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.is_contiguous(),
                     "choose_widths: x must be contiguous with a sample dim, got shape ",
                     x.sizes());
-  const at::NoGradGuard no_grad;  // the row view below is for the kernel, not the graph
   const auto [n, d] = actnn_zoo::contract_rows(x.sizes());
-  at::Tensor score = actnn_zoo::range_statistic_cpu(x.view({n, d}), group_size);
-  at::Tensor expected = exponent.has_value() ? score.pow(*exponent) : score;
+  at::Tensor score = at::empty({n}, x.options().dtype(at::kFloat));
+  actnn_zoo::range_statistic_rows_cpu(x, n, d, group_size, score.data_ptr<float>());
+  if (!exponent.has_value()) return {score, actnn_zoo::allocate_widths_cpu(score, extra)};
+  at::Tensor expected;
+  {
+    const at::NoGradGuard no_grad;  // an exponent that requires grad records nothing here
+    expected = score.pow(*exponent);
+  }
   TORCH_CHECK_VALUE(expected.scalar_type() == at::kFloat,
                     "exponent must leave the float32 scores float32, got ", expected.scalar_type());
   return {score, actnn_zoo::allocate_widths_cpu(expected.contiguous(), extra)};

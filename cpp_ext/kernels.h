@@ -98,6 +98,10 @@ at::Tensor dequantize_sparse_cpu(const at::Tensor& data, const at::Tensor& lo,
 at::Tensor masked_grad_cpu(const at::Tensor& grad, const at::Tensor& packed,
                            std::optional<double> on, std::optional<double> off);
 at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size);
+// range_statistic_cpu of contiguous x read as (n_rows, d) rows, into out[n_rows]: no row view
+// and no output tensor made (choose_widths, once per watched layer per step)
+void range_statistic_rows_cpu(const at::Tensor& x, int64_t n_rows, int64_t d,
+                              int64_t group_size, float* out);
 at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra);
 // The sampled rounding variances of softmax's and the norms' unbiased backward
 // (variance_cpu.cpp; torch twin in actnn_zoo/functional/_rounding_variance.py): the 1-bit codes

@@ -31,6 +31,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -273,13 +274,21 @@ void check_grad(const at::Tensor& grad, int64_t dims, const char* layout) {
               " tensor, got shape ", grad.sizes());
 }
 
+// n zeros of grad's float32 options: an allocation and a memset here, where at::zeros is a
+// fill operator call besides (norm backwards make two a call, one per norm layer per step)
+at::Tensor zeros_f32(int64_t n, const at::Tensor& grad) {
+  at::Tensor t = at::empty({n}, grad.options());
+  if (n > 0) std::memset(t.data_ptr<float>(), 0, static_cast<size_t>(n) * sizeof(float));
+  return t;
+}
+
 // (gi: uninitialised unless empty, None unless need_input; gw, gb: c zeros), what the kernels
 // fill and return.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_grads(const at::Tensor& grad, int64_t c,
                                                           bool need_input, bool empty) {
   at::Tensor gi = need_input ? (empty ? at::zeros_like(grad) : at::empty_like(grad))
                              : at::Tensor();
-  return {gi, at::zeros({c}, grad.options()), at::zeros({c}, grad.options())};
+  return {gi, zeros_f32(c, grad), zeros_f32(c, grad)};
 }
 
 // The codes' tensors as the passes read them.
@@ -378,8 +387,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_codes_cpu(
   check_stat(rstd, "rstd", rows);
   if (weight.has_value()) check_stat(*weight, "weight", f);
 
-  at::Tensor gw = at::zeros({f}, grad.options());
-  at::Tensor gb = at::zeros({f}, grad.options());
+  at::Tensor gw = zeros_f32(f, grad);
+  at::Tensor gb = zeros_f32(f, grad);
   at::Tensor gi = need_input ? at::empty_like(grad) : at::Tensor();
   if (rows == 0 || f == 0) {
     if (need_input) gi.zero_();

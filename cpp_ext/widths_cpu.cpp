@@ -61,23 +61,33 @@ void range_rows(const T* x, int64_t n_rows, int64_t d, int64_t group_size, float
 
 }  // namespace
 
-at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size) {
-  TORCH_CHECK(x2d.device().is_cpu(), "x2d must be a CPU tensor");
-  TORCH_CHECK(x2d.dim() == 2 && x2d.is_contiguous(), "x2d must be 2-d and contiguous");
+void range_statistic_rows_cpu(const at::Tensor& x, int64_t n_rows, int64_t d,
+                              int64_t group_size, float* out) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor");
+  TORCH_CHECK(x.is_contiguous() && x.numel() == n_rows * d,
+              "x must be contiguous and hold n_rows * d values");
   TORCH_CHECK_VALUE(group_size > 0, "group_size must be positive, got ", group_size);
-  const int64_t n_rows = x2d.size(0), d = x2d.size(1);
-  at::Tensor out = at::zeros({n_rows}, x2d.options().dtype(at::kFloat));
-  if (n_rows == 0 || d == 0) return out;
-  float* o = out.data_ptr<float>();
-  switch (x2d.scalar_type()) {
-    case at::kFloat: range_rows(x2d.data_ptr<float>(), n_rows, d, group_size, o); break;
-    case at::kHalf: range_rows(x2d.data_ptr<c10::Half>(), n_rows, d, group_size, o); break;
-    case at::kBFloat16:
-      range_rows(x2d.data_ptr<c10::BFloat16>(), n_rows, d, group_size, o);
-      break;
-    default: TORCH_CHECK(false, "x2d must be float32, float16 or bfloat16, got ",
-                         x2d.scalar_type());
+  if (n_rows == 0) return;
+  if (d == 0) {
+    std::fill(out, out + n_rows, 0.0f);
+    return;
   }
+  switch (x.scalar_type()) {
+    case at::kFloat: range_rows(x.data_ptr<float>(), n_rows, d, group_size, out); break;
+    case at::kHalf: range_rows(x.data_ptr<c10::Half>(), n_rows, d, group_size, out); break;
+    case at::kBFloat16:
+      range_rows(x.data_ptr<c10::BFloat16>(), n_rows, d, group_size, out);
+      break;
+    default: TORCH_CHECK(false, "x must be float32, float16 or bfloat16, got ",
+                         x.scalar_type());
+  }
+}
+
+at::Tensor range_statistic_cpu(const at::Tensor& x2d, int64_t group_size) {
+  TORCH_CHECK(x2d.dim() == 2, "x2d must be 2-d and contiguous");
+  const int64_t n_rows = x2d.size(0), d = x2d.size(1);
+  at::Tensor out = at::empty({n_rows}, x2d.options().dtype(at::kFloat));
+  range_statistic_rows_cpu(x2d, n_rows, d, group_size, out.data_ptr<float>());
   return out;
 }
 
@@ -86,8 +96,10 @@ at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra) {
   TORCH_CHECK(score.scalar_type() == at::kFloat && score.dim() == 1 && score.is_contiguous(),
               "score must be a contiguous 1-d float32 tensor");
   const int64_t m = score.size(0);
-  at::Tensor out = at::ones({m}, score.options().dtype(at::kByte));
+  // empty, then every width set to 1 here: at::ones is a fill operator call besides
+  at::Tensor out = at::empty({m}, score.options().dtype(at::kByte));
   if (m == 0) return out;
+  std::fill(out.data_ptr<uint8_t>(), out.data_ptr<uint8_t>() + m, uint8_t{1});
   const float* s = score.data_ptr<float>();
   // Gain per bit of the upgrades 1->2, 2->4, 4->8 as solver.UpgradeTable builds them: float64
   // (v(b) - v(b')) / cost, then rounded to float32.

@@ -219,6 +219,29 @@ def test_cpu_range_kernel_matches_the_torch_reductions(n, d, group_size, dtype, 
     assert torch.equal(range_statistic(x, group_size), got)  # the public entry uses the kernel
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 5), d=st.integers(0, 300), group_size=st.sampled_from([8, 64, 256]),
+       exponent=st.sampled_from([None, 0.0, 0.5, 1.0]), budget=st.floats(1.0, 8.0),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_choose_widths_is_the_statistic_its_power_and_the_widths(n, d, group_size, exponent,
+                                                                 budget, seed):
+    """The one call a watched layer makes per step (``_C.choose_widths``) gives exactly what
+    its three parts give one by one, on a 3-d input read through its pointer (no row view),
+    empty rows and samples included."""
+    ext = _cpu_kernels()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, d, generator=g) * torch.rand(n, 1, 1, generator=g) * 10
+    e = None if exponent is None else torch.tensor(exponent)
+    extra = extra_bits(budget, n)
+    score, bits = ext.choose_widths(x, group_size, e, extra)
+    want = ext.range_statistic(x.reshape(n, 3 * d), group_size)
+    assert score.dtype == torch.float32 and torch.equal(score, want)
+    if n and not d:
+        assert score.tolist() == [0.0] * n  # no values: no range (the output is not left unset)
+    expected = want if e is None else want.pow(e)
+    assert bits.dtype == torch.uint8 and torch.equal(bits, ext.allocate_widths(expected, extra))
+
+
 # ----------------------------------------------------------------------------- config
 def test_strategy_registry_and_configs():
     assert set(STRATEGY_CLASSES) == set(STRATEGIES)
