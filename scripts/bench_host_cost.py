@@ -15,6 +15,7 @@ leaves out the steps a precision strategy re-allocates or records gradient stati
     .venv/bin/python scripts/bench_host_cost.py                      # every model
     .venv/bin/python scripts/bench_host_cost.py --models gpt2 --steps 40 --rounds 5
     .venv/bin/python scripts/bench_host_cost.py --models resnet50 --count  # + calls and ops
+    .venv/bin/python scripts/bench_host_cost.py --models resnet50 --callbacks  # + strategy's
 
 Models (random init, nothing downloaded):
   resnet50  torchvision ResNet-50, batch 2, 32x32 images, cross-entropy (torchvision from
@@ -63,6 +64,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 import actnn_zoo as az  # noqa: E402
 from actnn_zoo.bench import host_work, interleaved_step_times  # noqa: E402
 from actnn_zoo.nn._base import QModule  # noqa: E402
+from actnn_zoo.precision.base import WATCH_ATTR, LayerWatch  # noqa: E402
 
 MODES = ("fp32", "default", "uniform-2", "relu-masks", "no-capture", "checkpoint",
          "compiled-fp32", "compiled", "torch-compiled", "default-python", "uniform-2-python",
@@ -236,6 +238,7 @@ def build_steps(name: str, modes: Sequence[str], backend: str = "inductor"
             for p in model.parameters():
                 p.grad = None
         step.forwards = forwards  # type: ignore[attr-defined]
+        step.model = model  # type: ignore[attr-defined]
         steps[mode] = step
     return steps, n_q
 
@@ -284,6 +287,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--split", action="store_true",
                    help="also the median forward (with the loss) and backward (with the "
                         "gradients' release) per mode: where the extra time is spent")
+    p.add_argument("--callbacks", action="store_true",
+                   help="also time the precision strategy's per-layer callbacks inside the "
+                        "step (thread CPU time around each LayerWatch pre and post call, "
+                        "--steps steps per mode that has them)")
     p.add_argument("--steady-malloc", action="store_true",
                    help="run with glibc's malloc keeping freed memory (GLIBC_TUNABLES, "
                         "STEADY_MALLOC; the script restarts itself with it): no page faults "
@@ -327,6 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _print_split(steps, times, modes)
         if args.count:
             _print_work(steps, modes, n_q)
+        if args.callbacks:
+            _print_callbacks(steps, modes, args.steps)
     return 0
 
 
@@ -345,6 +354,65 @@ def _print_split(steps: Dict[str, Callable[[], None]], times: Dict[str, list],
     for k in modes:
         f, b = split[k]
         print(f"{k:17s} | {f:10.2f} | {f / f0:7.2f} | {b:11.2f} | {b / b0:7.2f}")
+
+
+class _Timed:
+    """A callback that adds its thread CPU time and its calls to ``acc`` ([ns, calls])."""
+
+    __slots__ = ("fn", "acc")
+
+    def __init__(self, fn: Callable[..., None], acc: list) -> None:
+        self.fn, self.acc = fn, acc
+
+    def __call__(self, *args: object) -> None:
+        t0 = time.thread_time_ns()
+        self.fn(*args)
+        self.acc[0] += time.thread_time_ns() - t0
+        self.acc[1] += 1
+
+
+def callback_times(step: Callable[[], None], n: int) -> Optional[Dict[str, Tuple[float, float]]]:
+    """{"pre"/"post": (ms per step, calls per step)} of the precision strategy's per-layer
+    callbacks (``LayerWatch``, which the Q-layers call around themselves) over ``n`` calls of
+    ``step``, timed inside the step; None when its model has none. The callbacks are the
+    strategy's own again afterwards. The strategy's root hooks (its step count) are not
+    included."""
+    watches = [w for m in step.model.modules()  # type: ignore[attr-defined]
+               if isinstance(w := m.__dict__.get(WATCH_ATTR), LayerWatch)]
+    if not watches:
+        return None
+    acc: Dict[str, list] = {"pre": [0, 0], "post": [0, 0]}
+    own = [(w, w.pre, w.post) for w in watches]
+    for w, pre, post in own:
+        w.pre = _Timed(pre, acc["pre"])
+        if post is not None:
+            w.post = _Timed(post, acc["post"])
+    try:
+        for _ in range(n):
+            step()
+    finally:
+        for w, pre, post in own:
+            w.pre, w.post = pre, post
+    return {k: (ns / n / 1e6, calls / n) for k, (ns, calls) in acc.items()}
+
+
+def _print_callbacks(steps: Dict[str, Callable[[], None]], modes: Sequence[str],
+                     n: int) -> None:
+    """The strategy's per-layer callbacks per step and per call, for each mode that has them."""
+    print(f"{'mode':17s} | {'pre ms/step':>11s} | {'calls':>5s} | {'us/call':>7s} | "
+          f"{'post ms/step':>12s} | {'calls':>5s} | {'us/call':>7s}")
+    for k in modes:
+        got = callback_times(steps[k], n)
+        if got is None:
+            continue
+        (pre, n_pre), (post, n_post) = got["pre"], got["post"]
+        print(f"{k:17s} | {pre:11.3f} | {n_pre:5.0f} | {_per_call(pre, n_pre):7.1f} | "
+              f"{post:12.3f} | {n_post:5.0f} | {_per_call(post, n_post):7.1f}")
+
+
+def _per_call(ms: float, calls: float) -> float:
+    """Microseconds per call (0 without calls)."""
+    return ms * 1e3 / calls if calls else 0.0
 
 
 def _print_work(steps: Dict[str, Callable[[], None]], modes: Sequence[str], n_q: int) -> None:

@@ -222,3 +222,34 @@ def test_split_reports_forward_and_backward_per_mode(capsys):
     for mode, (fw, fr, bw, br) in split.items():
         assert 0 < fw < steps[mode] * 1.5 and 0 < bw < steps[mode] * 1.5
         assert fr == pytest.approx(fw / f0, abs=0.01) and br == pytest.approx(bw / b0, abs=0.01)
+
+
+def test_callbacks_are_timed_inside_the_step_and_given_back(capsys):
+    """--callbacks times the strategy's per-layer callbacks (LayerWatch pre and post) inside
+    the step: the default has them (one pre call per watched layer call), uniform-2 has none;
+    afterwards every watch holds the strategy's own callbacks again."""
+    mod = _script()
+    assert mod.main(["--models", "gpt2", "--modes", "default,uniform-2", "--steps", "2",
+                     "--rounds", "1", "--warmup", "2", "--callbacks"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "pre ms/step" in line)
+    rows = {}
+    for line in lines[start + 1:]:
+        if line.count("|") != 6:
+            break
+        rows[line.split("|")[0].strip()] = [float(c) for c in line.split("|")[1:]]
+    assert list(rows) == ["default"]  # fp32 and uniform-2 have no strategy callbacks
+    pre_ms, pre_calls, pre_us, post_ms, post_calls, post_us = rows["default"]
+    assert pre_ms > 0 and pre_calls >= 36 and post_calls >= 1
+    assert pre_us == pytest.approx(pre_ms * 1e3 / pre_calls, rel=0.01, abs=0.1)
+
+    steps, _ = mod.build_steps("gpt2", ["default"])
+    step = steps["default"]
+    step()
+    watches = [m.__dict__[mod.WATCH_ATTR] for m in step.model.modules()
+               if mod.WATCH_ATTR in m.__dict__]
+    own = [(w.pre, w.post) for w in watches]
+    got = mod.callback_times(step, 2)
+    assert got["pre"][1] == pytest.approx(pre_calls) and got["pre"][0] > 0
+    assert [(w.pre, w.post) for w in watches] == own
