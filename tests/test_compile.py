@@ -349,3 +349,15 @@ def test_traced_dropout_keeps_a_packed_mask_and_its_gradient():
     assert abs(1 - kept.float().mean().item() - 0.3) < 0.03  # 8192 draws: sd 0.005
     torch.testing.assert_close(hg[kept], (g * out / h)[kept], rtol=1e-5, atol=1e-6)
     assert (hg[~kept] == 0).all()
+
+
+def test_a_torch_without_compiled_saved_hooks_is_refused(monkeypatch):
+    """Where AOTAutograd cannot put the pack hooks into the graph (torch 2.6: dynamo broke the
+    graph there and the hooks kept every tensor raw), compile raises and names the way that
+    works, instead of returning a graph that compresses nothing. Here rather than in
+    test_compiled.py, which is skipped as a whole on such a torch."""
+    from actnn_zoo import compiled
+
+    monkeypatch.setattr(compiled, "compiled_saved_hooks_supported", lambda: False)
+    with pytest.raises(RuntimeError, match=r"saved-tensor hooks.*torch\.compile\(actnn_zoo"):
+        az.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))

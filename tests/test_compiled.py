@@ -25,7 +25,8 @@ from _graphs import (counting, grad_nodes, held_bytes, min_cosine, no_dropout,
                      train_30_steps)
 
 # actnn_zoo.compile refuses a torch without compiled saved-tensor hooks (torch 2.6;
-# test_a_torch_without_compiled_saved_hooks_is_refused); CI's torch has them
+# test_compile.py::test_a_torch_without_compiled_saved_hooks_is_refused, which runs there
+# too); CI's torch has them
 pytestmark = pytest.mark.skipif(not compiled_saved_hooks_supported(),
                                 reason="this torch cannot compile saved-tensor hooks")
 
@@ -138,17 +139,6 @@ def test_bad_arguments_are_named():
         az.compile(_cnn(), group_size=10)
     with pytest.raises(ValueError, match="min_numel"):
         az.compile(_cnn(), min_numel=0)
-
-
-def test_a_torch_without_compiled_saved_hooks_is_refused(monkeypatch):
-    """Where AOTAutograd cannot put the pack hooks into the graph (torch 2.6: dynamo broke the
-    graph there and the hooks kept every tensor raw), compile raises and names the way that
-    works, instead of returning a graph that compresses nothing."""
-    from actnn_zoo import compiled
-
-    monkeypatch.setattr(compiled, "compiled_saved_hooks_supported", lambda: False)
-    with pytest.raises(RuntimeError, match=r"saved-tensor hooks.*torch\.compile\(actnn_zoo"):
-        az.compile(_cnn())
 
 
 def test_resnet50_one_graph_compressed_and_trains(one_thread):
