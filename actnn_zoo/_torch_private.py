@@ -16,6 +16,11 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+# The base class of a mode that sees every operator dispatched below autograd (torch's own
+# FlopCounterMode and selective checkpointing subclass it); only actnn_zoo.bench.offcpu, which
+# counts a step's operators, uses it.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
+
 # nn.Module keeps its parameters, buffers, submodules and the set of non-persistent buffer
 # names in these containers; a Q-layer made from a torch layer needs its own copy of each
 # (same objects inside) so that later additions to one module do not appear on the other.

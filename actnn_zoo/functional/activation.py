@@ -32,6 +32,7 @@ from . import _saving
 from ._saving import (compress, compress_fresh, compress_produced, dequantize_rows,
                       from_memory_order, keep_saved, load, load_codes, memory_perm,
                       produce_bounds, restore, sample_chunks, save, save_codes, to_memory_order)
+from ._autocast import autocast_enabled
 from .linear import _CUDA_NODES, node_codes
 
 OptBits = Optional[Bits]
@@ -74,8 +75,11 @@ def no_double_backward(what: str) -> None:
 
 
 def _autocast_state(device_type: str) -> Tuple[bool, torch.dtype]:
-    """Whether autocast is on for ``device_type`` and its dtype (public API, torch >= 2.4)."""
-    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    """Whether autocast is on for ``device_type`` and its dtype (public API, torch >= 2.4);
+    (False, float32) for device types autocast does not know (meta)."""
+    if not autocast_enabled(device_type):
+        return False, torch.float32
+    return True, torch.get_autocast_dtype(device_type)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,7 +557,7 @@ def _node_applies(op: str, x: Tensor, qconfig: LayerQConfig, bits: OptBits,
             and (derivative is not None or produce_bounds(x.shape, x.device) is None)
             and (qconfig.backward_chunks <= 1 or x.numel() * 4 < _saving.CHUNK_MIN_BYTES)
             and (x.device.type == "cpu" or _CUDA_NODES)
-            and not torch.is_autocast_enabled(x.device.type))
+            and not autocast_enabled(x))
 
 
 _NODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -394,7 +394,9 @@ class _Mask:
         if all(c is None for c in self.coords):
             t = m[(0,) * len(self.coords)].unsqueeze(0)
         else:
-            idx = tuple(torch.zeros((), dtype=torch.int64, device=m.device) if c is None
+            # a one-element index, not a 0-d one: torch reads a 0-d index tensor on the host
+            # (a device sync on a GPU, every tile); (1,) broadcasts with the others instead
+            idx = tuple(torch.zeros(1, dtype=torch.int64, device=m.device) if c is None
                         else c[n0:n1] for c in self.coords)
             t = m[idx]
         if self.round_to is not None and not self.is_bool:

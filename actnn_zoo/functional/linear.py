@@ -25,7 +25,7 @@ from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, SparseQuantizedTensor
 from ..quant.backend import extension
 from ..quant.division import Payload
-from ._autocast import no_autocast
+from ._autocast import autocast_enabled, no_autocast
 from . import _saving
 from ._saving import (compress, dequantize_rows, keep_saved, load, load_codes, restore,
                       sample_chunks, save, save_codes)
@@ -175,7 +175,7 @@ def compiled_node_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor],
             and isinstance(bits, (int, SampleBits))
             and (qconfig.backward_chunks <= 1 or x.numel() * 4 < _saving.CHUNK_MIN_BYTES)
             and (x.device.type == "cpu" or _CUDA_NODES)
-            and not torch.is_autocast_enabled(x.device.type))
+            and not autocast_enabled(x))
 
 
 def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[Tuple[tuple, object]]:

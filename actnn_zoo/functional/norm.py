@@ -50,7 +50,7 @@ from ..quant.norm_backward import (batch_norm_backward_codes, channels_last,
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows,
                       keep_saved, load, load_codes, restore, sample_chunks, save, save_codes)
 from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
-from ._autocast import no_autocast
+from ._autocast import autocast_enabled, no_autocast
 from .linear import cast, dtype_of, first_order_only, memory_format_of
 
 
@@ -62,7 +62,7 @@ def autocast_dtype(x: Tensor, probe: Callable[[Tensor], Tensor]) -> torch.dtype:
     them alone); rather than copy the tables, run the functional op on an empty tensor and read
     the dtype autocast gave it. Costs nothing when autocast is off.
     """
-    if not torch.is_autocast_enabled(x.device.type):
+    if not autocast_enabled(x):
         return x.dtype
     return probe(x).dtype
 

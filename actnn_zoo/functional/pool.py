@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..quant import pack_mask, unpack_mask
 from ._saving import load, save
+from ._autocast import autocast_enabled, no_autocast
 from .activation import _autocast_state, from_memory_order, memory_perm, to_memory_order
 
 __all__ = ["MaxPoolFunction", "ShapeOnlyFunction", "max_pool1d", "max_pool2d", "max_pool3d",
@@ -284,7 +285,7 @@ class MaxPoolFunction(torch.autograd.Function):
                 stride: Tuple[int, ...], padding: Tuple[int, ...], dilation: Tuple[int, ...],
                 window: Tuple[int, ...], ceil_mode: bool, return_indices: bool):
         out, idx = pool(x)
-        if torch.is_autocast_enabled(x.device.type):
+        if autocast_enabled(x):
             # torch's autocast casts some pooling ops (e.g. CPU max_pool3d without indices)
             # but not their with-indices variants: take the dtype torch's layer would give.
             ref = probe(x.new_zeros((1,) * (nd + 2)))
@@ -453,7 +454,8 @@ class ShapeOnlyFunction(torch.autograd.Function):
         z = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt).zero_()
         with torch.enable_grad():
             z.requires_grad_(True)
-            with torch.autocast(device.type, dtype=ac_dtype, enabled=enabled):
+            with (torch.autocast(device.type, dtype=ac_dtype) if enabled
+                  else no_autocast(device.type)):
                 y = ctx.op(z)
             (grad_in,) = torch.autograd.grad(y, z, grad, create_graph=create_graph)
         return grad_in, None

@@ -32,7 +32,13 @@ class DeferredRead:
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(v.device))
         else:
-            self._host = v.to("cpu", copy=True)
+            try:
+                self._host = v.to("cpu", copy=True)
+            except NotImplementedError as e:  # the meta device: no values to read
+                raise RuntimeError(
+                    f"actnn_zoo: a precision strategy re-allocates from a step's values, which "
+                    f"tensors on {v.device} do not have; convert with strategy='uniform' for a "
+                    f"run without values") from e
 
     def read(self) -> List[float]:
         """The values as Python floats (waits for the copy, not for later device work)."""

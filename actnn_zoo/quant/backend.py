@@ -78,7 +78,12 @@ def kernels(device: Union[torch.device, str]) -> ModuleType:
 @functools.lru_cache(maxsize=None)
 def _kernels_for(kind: str) -> ModuleType:
     """Per device type, cached like :func:`extension` (a loaded library, not configuration):
-    every Q-layer call asks, so the answer is one dict lookup after the first."""
+    every Q-layer call asks, so the answer is one dict lookup after the first. The meta device
+    gets shape-only kernels (:mod:`actnn_zoo.quant.meta`): the CUDA path, nothing computed."""
+    if kind == "meta":
+        from . import meta
+
+        return meta
     ext = extension()
     if ext is None:
         return reference
