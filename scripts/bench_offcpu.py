@@ -12,7 +12,7 @@ there, and what dominates it.
 
     .venv/bin/python scripts/bench_offcpu.py                       # both models, every mode
     .venv/bin/python scripts/bench_offcpu.py --models gpt2 --modes fp32 "2-bit default"
-    .venv/bin/python scripts/bench_offcpu.py --tile-scale 1 --chunk-scale 1   # as before 4d3b4bd
+    .venv/bin/python scripts/bench_offcpu.py --tile-scale 1 --chunk-scale 1   # as before b0809cb
     .venv/bin/python scripts/bench_offcpu.py --quick               # tiny models, seconds
 
 ``--tile-scale`` / ``--chunk-scale`` override how many times larger attention tiles and

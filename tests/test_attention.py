@@ -514,6 +514,28 @@ def test_dropout_kernel_equals_torch_program(seed, p, L, S, data):
     assert torch.equal(drop.keep(n0, n1, r0, r1, cols), drop.keep_torch(n0, n1, r0, r1, cols))
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 31 - 1), p=st.floats(0.01, 0.99), L=st.integers(1, 30),
+       S=st.integers(1, 50), batch=st.integers(1, 6), data=st.data())
+def test_dropout_row_hashes_made_once_per_call_give_the_same_mask(seed, p, L, S, batch, data):
+    """With the call's batch size known, the torch program hashes every row once and slices
+    them per tile: the same mask as hashing each tile's rows, before and after ``release``,
+    and for tiles past the batch (hashed per tile)."""
+    once = attn._Dropout(seed, p, L, S, torch.device("cpu"), batch)
+    each = attn._Dropout(seed, p, L, S, torch.device("cpu"))
+    for _ in range(3):
+        n0 = data.draw(st.integers(0, batch + 2))
+        n1 = data.draw(st.integers(n0, batch + 3))
+        r0 = data.draw(st.integers(0, L))
+        r1 = data.draw(st.integers(r0, L))
+        cols = data.draw(st.integers(0, S))
+        assert torch.equal(once.keep_torch(n0, n1, r0, r1, cols),
+                           each.keep_torch(n0, n1, r0, r1, cols))
+        if data.draw(st.booleans()):
+            once.release()
+    assert once._rows is None or once._rows.shape == (batch, L)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nb=st.integers(0, 3), rows=st.integers(1, 9), cols=st.integers(1, 40),
        causal=st.integers(-1, 12), masked=st.floats(0.0, 1.0), scale=st.floats(0.1, 60.0),

@@ -165,7 +165,8 @@ class _Dropout:
     so within a row no two keys share their random bits; the outer fmix32 breaks the xor's
     structure between rows."""
 
-    def __init__(self, seed: int, p: float, L: int, S: int, device: torch.device) -> None:
+    def __init__(self, seed: int, p: float, L: int, S: int, device: torch.device,
+                 batch: Optional[int] = None) -> None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # the seed is a host int: a CUDA graph would replay one mask on every step
             raise RuntimeError(
@@ -187,6 +188,11 @@ class _Dropout:
         self._kernel = getattr(ext, "attention_keep", None)
         self._device = device
         self._col: Optional[Tensor] = None
+        # batch: the call's flattened batch size N, when known. The torch program then hashes
+        # every row of the call once (N * L int32s) and each tile slices them: ~40 of a tile's
+        # ~60 small operators are the rows' hashes, which on a GPU is host work per tile.
+        self._batch = batch
+        self._rows: Optional[Tensor] = None
 
     @property
     def col(self) -> Tensor:
@@ -212,15 +218,30 @@ class _Dropout:
     def keep_torch(self, n0: int, n1: int, r0: int, r1: int,
                    cols: Optional[int] = None) -> Tensor:
         """:meth:`keep` as a torch program (any device; the compiled kernel's twin)."""
-        dev = self.col.device
-        rows = (torch.arange(n0, n1, dtype=torch.int64, device=dev)[:, None] * self.L
-                + torch.arange(r0, r1, dtype=torch.int64, device=dev)[None, :])
-        h = _fmix32_(_as_int32((rows & _M32) ^ self.s2))
-        h = _fmix32_(h ^ _as_int32(rows >> 32))
+        if self._batch is not None and n1 <= self._batch:
+            if self._rows is None:
+                self._rows = self._row_hashes(0, self._batch, 0, self.L)
+            h = self._rows[n0:n1, r0:r1]
+        else:
+            h = self._row_hashes(n0, n1, r0, r1)
         x = h[..., None] ^ self.col[:cols]  # (nb, c, cols)
         _fmix32_(x)
         x ^= _I32_MIN  # unsigned order -> signed order
         return x < self.signed_threshold
+
+
+    def release(self) -> None:
+        """Forget the call's row hashes (a tensor of N * L int32s), e.g. between forward and
+        backward; the next tile makes them again."""
+        self._rows = None
+
+    def _row_hashes(self, n0: int, n1: int, r0: int, r1: int) -> Tensor:
+        """int32 (n1 - n0, r1 - r0): the hashes of rows ``n L + l`` (the mask's row part)."""
+        dev = self.col.device
+        rows = (torch.arange(n0, n1, dtype=torch.int64, device=dev)[:, None] * self.L
+                + torch.arange(r0, r1, dtype=torch.int64, device=dev)[None, :])
+        h = _fmix32_(_as_int32((rows & _M32) ^ self.s2))
+        return _fmix32_(h ^ _as_int32(rows >> 32))
 
 
 def attention_dropout_mask(seed: int, batch_shape: Sequence[int], L: int, S: int, p: float,
@@ -680,7 +701,7 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         if scale is None:
             scale = 1.0 / math.sqrt(plan.E) if plan.E else float("inf")  # E = 0: no scores
         seed = draw_seed() if dropout_p > 0 else None
-        drop = _Dropout(seed, dropout_p, L, S, dev) if seed is not None else None
+        drop = _Dropout(seed, dropout_p, L, S, dev, plan.N) if seed is not None else None
         mask = (_Mask(attn_mask, plan.out_batch, L, S, mask_round)
                 if attn_mask is not None else None)
         q, k, v = _rows(query), _rows(key), _rows(value)
@@ -728,6 +749,8 @@ class ScaledDotProductAttentionFunction(torch.autograd.Function):
         save(ctx, comp(q, query), comp(k, key), comp(v, value) if need_qk else None)
         ctx.attn_mask = attn_mask  # a reference to the caller's tensor, never a copy
         ctx.mask_version = tensor_version(attn_mask) if attn_mask is not None else None
+        if drop is not None:
+            drop.release()  # its row hashes are made again in backward, not kept until then
         ctx.plan, ctx.drop = plan, drop  # host objects: shapes, ints, small index maps
         ctx.args = (is_causal, scale, mask_round)
         ctx.dtypes = (query.dtype, key.dtype, value.dtype)
