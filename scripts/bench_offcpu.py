@@ -43,8 +43,6 @@ def run(model_name: str, mode: str, quick: bool, warmup: int, top: int) -> dict:
         from third_party import import_vision
 
         import_vision()
-    else:  # transformers reads a value of the position ids before its mask (a host read)
-        pass
     work = Workload(model_name, quick)
     meta = torch.device("meta")
     tr = Trainer(work, mode, meta)

@@ -196,3 +196,26 @@ def test_a_dropout_tile_on_the_gpu_path_costs_a_few_operators():
     assert later.ops <= 20 < first.ops
     assert per_tile.ops >= later.ops + 30
     assert once.keep(4, 8, 0, 64).shape == (4, 64, 64)
+
+
+def test_the_script_counts_both_models_quickly():
+    """scripts/bench_offcpu.py --quick: every mode of both models, fp32 with no kernel call,
+    the converted modes with some and more operators, no host read of the library's."""
+    import re
+    import subprocess
+    import sys
+
+    from _scripts import SCRIPTS
+
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(SCRIPTS / "bench_offcpu.py"), "--quick",
+                          "--warmup", "3", "--models", "gpt2"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = dict(re.findall(r"== gpt2, ([\w. -]+): (\d+) operators", res.stdout))
+    assert set(rows) == {"fp32", "2-bit uniform", "2-bit default", "checkpoint"}, res.stdout
+    assert int(rows["2-bit default"]) > int(rows["fp32"])
+    assert "gpt2, fp32: " in res.stdout and " 0 kernel calls" in res.stdout
+    places = [p for line in re.findall(r"host reads: (.*)", res.stdout)
+              for p in re.findall(r" at (.+?) \d+(?:, |$)", line)]
+    assert places and all(p.startswith("outside: ") for p in places), places

@@ -229,7 +229,6 @@ class _Dropout:
         x ^= _I32_MIN  # unsigned order -> signed order
         return x < self.signed_threshold
 
-
     def release(self) -> None:
         """Forget the call's row hashes (a tensor of N * L int32s), e.g. between forward and
         backward; the next tile makes them again."""
