@@ -322,6 +322,25 @@ def test_backward_helpers_skip_work_that_changes_nothing(monkeypatch):
         assert torch.is_autocast_enabled("cpu")
 
 
+def test_autocast_on_answers_as_the_device_query_does():
+    """``autocast_on(x)``, the layers' per-call check (``x.is_cpu`` and a literal device type,
+    no ``x.device`` object), answers what ``torch.is_autocast_enabled(x.device.type)`` does,
+    inside and outside autocast, and False for the meta device (which autocast does not know,
+    where torch's query raises)."""
+    from actnn_zoo.functional._autocast import autocast_enabled, autocast_on
+
+    t = torch.ones(3)
+    assert autocast_on(t) is False is torch.is_autocast_enabled(t.device.type)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_on(t) is True is torch.is_autocast_enabled(t.device.type)
+        with torch.autocast("cpu", enabled=False):
+            assert autocast_on(t) is False
+    meta = torch.ones(3, device="meta")
+    assert autocast_on(meta) is False and autocast_enabled(meta) is False
+    with pytest.raises(RuntimeError):
+        torch.is_autocast_enabled("meta")
+
+
 @pytest.mark.parametrize("qcls,layer,shape,fmt", [
     (QConv2d, lambda: nn.Conv2d(4, 6, 3, padding=1, stride=2), (2, 4, 9, 9),
      torch.channels_last),

@@ -79,7 +79,7 @@ class CaptureSession:
         segment (its recomputation would not have the slot; the mode routes there only under
         ``checkpoint_context``). A model whose calls change order between forwards only loses
         sharing: an unanswered claim falls back to the mask."""
-        if self._relu_slots is None or not self.qconfig.relu_codes or x.device.type != "cpu" \
+        if self._relu_slots is None or not self.qconfig.relu_codes or not x.is_cpu \
                 or in_routed_segment():
             return None
         k, self._relu_calls = self._relu_calls, self._relu_calls + 1

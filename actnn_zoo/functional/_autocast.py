@@ -15,7 +15,7 @@ from typing import ContextManager, Union
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_enabled", "no_autocast"]
+__all__ = ["autocast_enabled", "autocast_on", "no_autocast"]
 
 Where = Union[str, torch.device, Tensor]
 
@@ -39,6 +39,17 @@ def autocast_enabled(where: Where) -> bool:
         return torch.is_autocast_enabled(_device_type(where))
     except RuntimeError:  # "unknown device type for autocast" (meta, custom backends)
         return False
+
+
+def autocast_on(x: Tensor) -> bool:
+    """:func:`autocast_enabled` for a tensor, for the per-call checks of the layers: on the CPU
+    ``x.is_cpu`` and a literal device type cost ~0.7 us where ``x.device.type`` and the query
+    cost ~1.6 (``x.device`` makes a new object every time).
+
+    >>> autocast_on(torch.zeros(1))
+    False
+    """
+    return torch.is_autocast_enabled("cpu") if x.is_cpu else autocast_enabled(x.device.type)
 
 
 def no_autocast(where: Where) -> ContextManager[None]:

@@ -321,7 +321,7 @@ def compress_produced(produce: Callable[[int, int], Tensor], shape: torch.Size,
     bounds = produce_bounds(shape, device)
     if bounds is None or qconfig.compressor != "quant" or qconfig.transform != "none":
         return None
-    if isinstance(b, SampleBits) and b.bits.device.type != "cpu":
+    if isinstance(b, SampleBits) and not b.bits.is_cpu:
         return None
     parts = []
     for start, stop in zip(bounds[:-1], bounds[1:]):

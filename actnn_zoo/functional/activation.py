@@ -32,7 +32,7 @@ from . import _saving
 from ._saving import (compress, compress_fresh, compress_produced, dequantize_rows,
                       from_memory_order, keep_saved, load, load_codes, memory_perm,
                       produce_bounds, restore, sample_chunks, save, save_codes, to_memory_order)
-from ._autocast import autocast_enabled
+from ._autocast import autocast_enabled, autocast_on
 from .linear import _CUDA_NODES, node_codes
 
 OptBits = Optional[Bits]
@@ -205,7 +205,7 @@ def _mask_node(x: Tensor, op: str, a: float, b: float, inplace: bool) -> Optiona
     in logical order, which is memory order then); None elsewhere. Bit-identical outputs and
     gradients (tests/test_qlayer_nodes.py)."""
     if not (_QMASK is not None and type(x) is Tensor and x.dtype in _MASK_NODE_DTYPES
-            and x.is_contiguous() and (x.device.type == "cpu" or _CUDA_NODES)):
+            and x.is_contiguous() and (x.is_cpu or _CUDA_NODES)):
         return None
     kind, lo, hi, other = _predicate(op, a, b, x.dtype)
     packed = pack_compare(x, kind, lo, hi)
@@ -258,7 +258,7 @@ def _claim_node(x: Tensor, inplace: bool, slot: ZeroCodeSlot, store) -> Optional
     claim's buffer is written after the forward); else None, with nothing done. Gradients are
     bit-identical to the Function's (tests/test_qlayer_nodes.py)."""
     if not (_QMASK is not None and _SET_FLAG is not None and type(x) is Tensor
-            and x.device.type == "cpu" and x.dtype in _MASK_NODE_DTYPES and x.is_contiguous()
+            and x.is_cpu and x.dtype in _MASK_NODE_DTYPES and x.is_contiguous()
             and store.saves_pass_through()):
         return None
     innermost = store.hooks_innermost()
@@ -352,7 +352,7 @@ def activation_derivative(op: str, x: Tensor, y: Optional[Tensor] = None,
     while ``torch.compile`` traces (a graph takes the torch ops, not an opaque call).
     """
     src = y if op in ("sigmoid", "tanh") else x
-    if (_DERIVATIVE is not None and type(src) is Tensor and src.device.type == "cpu"
+    if (_DERIVATIVE is not None and type(src) is Tensor and src.is_cpu
             and op in _DERIV_OPS and not torch.compiler.is_compiling()):  # (a traced form: ops)
         a, b, approximate = _node_params(op, params)
         return _DERIVATIVE(src, op, a, b, approximate)
@@ -363,7 +363,7 @@ def _derivative_torch(op: str, src: Tensor, params: Tuple) -> Tensor:
     """:func:`activation_derivative` in torch ops (other devices, no extension)."""
     aten = torch.ops.aten
     t = _opmath(src)
-    if op == "gelu" and params[0] == "none" and t.device.type == "cpu":
+    if op == "gelu" and params[0] == "none" and t.is_cpu:
         # torch's CPU kernel of the exact GELU's backward runs slower on a stride-0 gradient
         # than on a dense one (1.2-3x by shape: 4M values 5.3-11.6 ms against 3.9-4.2; the
         # same values). A dense one, overwritten in place, costs no memory beyond the result
@@ -556,8 +556,8 @@ def _node_applies(op: str, x: Tensor, qconfig: LayerQConfig, bits: OptBits,
             and (bits is None or isinstance(bits, (int, SampleBits)))
             and (derivative is not None or produce_bounds(x.shape, x.device) is None)
             and (qconfig.backward_chunks <= 1 or x.numel() * 4 < _saving.CHUNK_MIN_BYTES)
-            and (x.device.type == "cpu" or _CUDA_NODES)
-            and not autocast_enabled(x))
+            and (x.is_cpu or _CUDA_NODES)
+            and not autocast_on(x))
 
 
 _NODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -25,7 +25,7 @@ from ..config import LayerQConfig
 from ..quant import Bits, QuantizedTensor, SampleBits, SparseQuantizedTensor
 from ..quant.backend import extension
 from ..quant.division import Payload
-from ._autocast import autocast_enabled, no_autocast
+from ._autocast import autocast_on, no_autocast
 from . import _saving
 from ._saving import (compress, dequantize_rows, keep_saved, load, load_codes, restore,
                       sample_chunks, save, save_codes)
@@ -174,8 +174,8 @@ def compiled_node_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor],
             and qconfig.compressor == "quant" and qconfig.transform == "none"
             and isinstance(bits, (int, SampleBits))
             and (qconfig.backward_chunks <= 1 or x.numel() * 4 < _saving.CHUNK_MIN_BYTES)
-            and (x.device.type == "cpu" or _CUDA_NODES)
-            and not autocast_enabled(x))
+            and (x.is_cpu or _CUDA_NODES)
+            and not autocast_on(x))
 
 
 def node_codes(q: Payload, weight: Optional[Tensor] = None) -> Optional[Tuple[tuple, object]]:

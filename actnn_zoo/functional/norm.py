@@ -50,7 +50,7 @@ from ..quant.norm_backward import (batch_norm_backward_codes, channels_last,
 from ._saving import (compress, compress_normalized, compress_produced, dequantize_rows,
                       keep_saved, load, load_codes, restore, sample_chunks, save, save_codes)
 from ._rounding_variance import Stat, correct_, norm_stride, sample_variance
-from ._autocast import autocast_enabled, no_autocast
+from ._autocast import autocast_on, no_autocast
 from .linear import cast, dtype_of, first_order_only, memory_format_of
 
 
@@ -62,7 +62,7 @@ def autocast_dtype(x: Tensor, probe: Callable[[Tensor], Tensor]) -> torch.dtype:
     them alone); rather than copy the tables, run the functional op on an empty tensor and read
     the dtype autocast gave it. Costs nothing when autocast is off.
     """
-    if not autocast_enabled(x):
+    if not autocast_on(x):
         return x.dtype
     return probe(x).dtype
 
@@ -173,7 +173,7 @@ def _fusable(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     inside the quantizer and reads the codes in backward (a contiguous non-empty float32
     input, float32 affine parameters, computing in float32: no autocast), the plain quantizer
     at one width."""
-    return (type(x) is Tensor and x.device.type == "cpu"
+    return (type(x) is Tensor and x.is_cpu
             and x.dtype == torch.float32 and dt == torch.float32 and x.dim() >= 2
             and x.is_contiguous() and x.numel() > 0
             and (weight is None or weight.dtype == torch.float32)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..quant import pack_mask, unpack_mask
 from ._saving import load, save
-from ._autocast import autocast_enabled, no_autocast
+from ._autocast import autocast_on, no_autocast
 from .activation import _autocast_state, from_memory_order, memory_perm, to_memory_order
 
 __all__ = ["MaxPoolFunction", "ShapeOnlyFunction", "max_pool1d", "max_pool2d", "max_pool3d",
@@ -285,7 +285,7 @@ class MaxPoolFunction(torch.autograd.Function):
                 stride: Tuple[int, ...], padding: Tuple[int, ...], dilation: Tuple[int, ...],
                 window: Tuple[int, ...], ceil_mode: bool, return_indices: bool):
         out, idx = pool(x)
-        if autocast_enabled(x):
+        if autocast_on(x):
             # torch's autocast casts some pooling ops (e.g. CPU max_pool3d without indices)
             # but not their with-indices variants: take the dtype torch's layer would give.
             ref = probe(x.new_zeros((1,) * (nd + 2)))

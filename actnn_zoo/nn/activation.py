@@ -58,7 +58,7 @@ class QReLU(_QAct, nn.ReLU):
     def forward(self, input: Tensor) -> Tensor:
         if self._active(input):
             slot = None
-            if self.qconfig.relu_codes and input.device.type == "cpu":  # sparse kernels
+            if self.qconfig.relu_codes and input.is_cpu:  # sparse kernels
                 slot = self.__dict__.get("_zero_codes")
                 if slot is None:
                     slot = self._zero_codes = ZeroCodeSlot()

@@ -249,7 +249,7 @@ class _Watched:
         else:
             with torch.no_grad():
                 saved, made = saved_tensor(kind, module, rows)
-        if (saved is not None and _CHOOSE is not None and saved.device.type == "cpu"
+        if (saved is not None and _CHOOSE is not None and saved.is_cpu
                 and saved.dtype in _CHOOSE_DTYPES and saved.is_contiguous()
                 and not isinstance(extra, Tensor)):
             # the three steps below in one compiled call (the statistic, its power, the widths)

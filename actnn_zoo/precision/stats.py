@@ -100,7 +100,7 @@ def range_statistic(t: Tensor, group_size: int) -> Tensor:
     elsewhere two torch reductions.
     """
     rows = as_rows(no_graph(t))
-    ext = extension() if rows.device.type == "cpu" and rows.is_contiguous() else None
+    ext = extension() if rows.is_cpu and rows.is_contiguous() else None
     kernel = getattr(ext, "range_statistic", None)  # None too for a build older than this file
     if kernel is not None and rows.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return kernel(rows, group_size)

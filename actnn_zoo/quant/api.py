@@ -254,8 +254,8 @@ def _encode(x: Tensor, rows: Tensor, bits: Bits, group_size: int, seed: int, sto
         return QuantizedTensor.made(data, lo, step, x.shape, x.dtype, uniform, group_size,
                                     None, None, transform, tseed)
     n, d = reference.contract_rows(rows.shape)
-    if (type(bits) is SampleBits and n * d and x.device.type == "cpu"
-            and bits.bits.shape[0] == n and bits.bits.device.type == "cpu"
+    if (type(bits) is SampleBits and n * d and x.is_cpu
+            and bits.bits.shape[0] == n and bits.bits.is_cpu
             and not debug_checks(validate)):
         # the layer's per-sample widths (the actnn strategy's): layout and kernel in one call
         fused = getattr(_CPU_KERNELS, "quantize_samples", None)
@@ -439,7 +439,7 @@ def _capacity(bits: Bits, offsets: Tensor, n: int, d: int, checked: bool = False
     if not isinstance(bits, SampleBits):
         return int(offsets[-1])
     total = (d * bits.max_sum + 7 * n) // 8
-    if bits.bits.device.type == "cpu" and not checked:  # one small op to check them here
+    if bits.bits.is_cpu and not checked:  # one small op to check them here
         counts = torch.bincount(bits.bits, minlength=9).tolist()
         if sum(counts) != sum(counts[b] for b in SUPPORTED_BITS):
             raise ValueError(f"SampleBits.bits entries must be in {SUPPORTED_BITS}")
@@ -570,7 +570,7 @@ def pack_compare(x: Tensor, kind: str, lo: float = 0.0, hi: float = 0.0,
     flat = x.reshape(-1)
     fn = getattr(kernels(x.device), "pack_compare", None)
     if out is not None:
-        if fn is None or x.device.type != "cpu" or x.dtype not in _MASKED_GRAD_DTYPES:
+        if fn is None or not x.is_cpu or x.dtype not in _MASKED_GRAD_DTYPES:
             raise ValueError("pack_compare: out needs the compiled CPU kernel and a float input")
         return fn(flat.contiguous(), code, float(lo), float(hi), out)
     if fn is None or x.dtype not in _MASKED_GRAD_DTYPES or flat.numel() == 0:
