@@ -31,12 +31,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actnn_zoo.bench.offcpu import answering_reads, offcpu_work, summary  # noqa: E402
+from actnn_zoo.bench.offcpu import (OffCpuWork, answering_reads, offcpu_work,  # noqa: E402
+                                    summary)
 
 MODES = ("fp32", "2-bit uniform", "2-bit default", "checkpoint")
 
 
-def run(model_name: str, mode: str, quick: bool, warmup: int, top: int) -> dict:
+def run(model_name: str, mode: str, quick: bool, warmup: int) -> OffCpuWork:
     from bench_gpu_models import Trainer, Workload
 
     if model_name == "resnet50":
@@ -50,9 +51,7 @@ def run(model_name: str, mode: str, quick: bool, warmup: int, top: int) -> dict:
     with answering_reads():
         for _ in range(warmup):
             tr.step(x, y)
-    counted = offcpu_work(lambda: tr.step(x, y), places=True)
-    return {"model": model_name, "mode": mode, "work": counted,
-            "summary": summary(counted, top)}
+    return offcpu_work(lambda: tr.step(x, y), places=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -78,13 +77,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in args.models.split(","):
         base = None
         for mode in args.modes:
-            r = run(name, mode, args.quick, args.warmup, args.top)
-            w = r["work"]
+            w = run(name, mode, args.quick, args.warmup)
             base = w.ops if mode == "fp32" else base
             ratio = f" ({w.ops / base:.1f}x fp32's)" if base else ""
             print(f"\n== {name}, {mode}: {w.ops} operators{ratio}, {w.kernels} kernel calls, "
                   f"{w.reads} host reads")
-            for title, rows in r["summary"].items():
+            for title, rows in summary(w, args.top).items():
                 if rows:
                     print(f"  {title}: " + ", ".join(f"{k} {v}" for k, v in rows))
     return 0

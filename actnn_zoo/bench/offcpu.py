@@ -90,22 +90,22 @@ class _Counting(TorchDispatchMode):
         w = self.work
         w.ops += 1
         w.by_op[str(func)] += 1
-        if self.places:
-            w.by_place[_place(sys._getframe(1))] += 1
+        place = _place(sys._getframe(1)) if self.places else None
+        if place is not None:
+            w.by_place[place] += 1
         if func in _WAITS:
-            w.host_reads[(str(func), _place(sys._getframe(1)))] += 1
-            return _WAITS[func]
-        if func in _DATA_DEPENDENT:
-            w.host_reads[(str(func), _place(sys._getframe(1)))] += 1
+            answer = _WAITS[func]
+        elif func in _DATA_DEPENDENT:
             x = args[0]
-            return torch.zeros(0, max(x.dim(), 1), dtype=torch.int64, device=x.device)
-        if func is _aten._to_copy.default and _to_host(args[0], kwargs.get("device")):
-            w.host_reads[(str(func), _place(sys._getframe(1)))] += 1
-            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
-        if func is _aten.copy_.default and _to_host(args[1], args[0].device):
-            w.host_reads[(str(func), _place(sys._getframe(1)))] += 1
-            return args[0].zero_()
-        return func(*args, **kwargs)
+            answer = torch.zeros(0, max(x.dim(), 1), dtype=torch.int64, device=x.device)
+        elif func is _aten._to_copy.default and _to_host(args[0], kwargs.get("device")):
+            answer = torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        elif func is _aten.copy_.default and _to_host(args[1], args[0].device):
+            answer = args[0].zero_()
+        else:
+            return func(*args, **kwargs)
+        w.host_reads[(str(func), place or _place(sys._getframe(1)))] += 1
+        return answer
 
 
 def _to_host(src: Any, dest: Any) -> bool:

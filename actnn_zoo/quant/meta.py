@@ -23,9 +23,6 @@ __all__ = ["quantize", "quantize_lean", "quantize_uniform", "dequantize", "dequa
            "row_offsets", "pack_mask", "unpack_mask", "masked_grad", "pack_compare",
            "hadamard_"]
 
-has_cuda = False  # not the CUDA build: backend.kernels answers "meta" with this module itself
-
-
 def _codes(n: int, d: int, total: int, group_size: int, device: torch.device
            ) -> Tuple[Tensor, Tensor, Tensor]:
     groups = (d + group_size - 1) // group_size
