@@ -21,33 +21,55 @@
 
 namespace actnn_zoo {
 
-at::Tensor attention_keep_cpu(int64_t n0, int64_t n1, int64_t r0, int64_t r1, int64_t cols,
-                              int64_t L, int64_t s1, int64_t s2, int64_t threshold) {
+namespace {
+void check_keep_args(int64_t n0, int64_t n1, int64_t r0, int64_t r1, int64_t cols, int64_t L,
+                     int64_t threshold) {
   TORCH_CHECK(0 <= n0 && n0 <= n1 && 0 <= r0 && r0 <= r1 && cols >= 0 && L >= 1,
               "attention_keep: bad tile [", n0, ", ", n1, ") x [", r0, ", ", r1, ") x ", cols,
               " with L = ", L);
   TORCH_CHECK(0 <= threshold && threshold <= 0xFFFFFFFFLL,
               "attention_keep: threshold must be in [0, 2^32), got ", threshold);
+}
+}  // namespace
+
+at::Tensor attention_keep_cpu(int64_t n0, int64_t n1, int64_t r0, int64_t r1, int64_t cols,
+                              int64_t L, int64_t s1, int64_t s2, int64_t threshold) {
+  check_keep_args(n0, n1, r0, r1, cols, L, threshold);
   const int64_t nb = n1 - n0, nr = r1 - r0;
   at::Tensor out = at::empty({nb, nr, cols}, at::TensorOptions().dtype(at::kBool));
   if (out.numel() == 0) return out;
   const uint32_t k1 = static_cast<uint32_t>(s1), k2 = static_cast<uint32_t>(s2);
   const uint32_t thr = static_cast<uint32_t>(threshold);
   std::vector<uint32_t> col(static_cast<size_t>(cols));
-  for (int64_t j = 0; j < cols; ++j) col[j] = fmix32(static_cast<uint32_t>(j) ^ k1);
+  for (int64_t j = 0; j < cols; ++j) col[j] = keep_col_hash(j, k1);
   bool* dst = out.data_ptr<bool>();
   const uint32_t* c = col.data();
   at::parallel_for(0, nb * nr, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = (n0 + i / nr) * L + (r0 + i % nr);
-      const uint32_t h = fmix32(fmix32(static_cast<uint32_t>(row) ^ k2) ^
-                                static_cast<uint32_t>(static_cast<uint64_t>(row) >> 32));
+      const uint32_t h = keep_row_hash((n0 + i / nr) * L + (r0 + i % nr), k2);
       bool* o = dst + i * cols;
 #pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) o[j] = fmix32(h ^ c[j]) < thr;
+      for (int64_t j = 0; j < cols; ++j) o[j] = keep_of(h, c[j], thr);
     }
   });
   return out;
+}
+
+// The Python entry: the tile's mask on `device` (default the CPU), by the CPU loop above or the
+// CUDA kernel (attention_dropout_cuda.cu), the arguments checked here first.
+at::Tensor attention_keep(int64_t n0, int64_t n1, int64_t r0, int64_t r1, int64_t cols,
+                          int64_t L, int64_t s1, int64_t s2, int64_t threshold,
+                          std::optional<c10::Device> device) {
+  if (!device.has_value() || device->is_cpu()) {
+    return attention_keep_cpu(n0, n1, r0, r1, cols, L, s1, s2, threshold);
+  }
+  check_keep_args(n0, n1, r0, r1, cols, L, threshold);
+#ifdef ACTNN_ZOO_CUDA
+  if (device->is_cuda()) {
+    return attention_keep_cuda(n0, n1, r0, r1, cols, L, s1, s2, threshold, *device);
+  }
+#endif
+  TORCH_CHECK(false, "attention_keep: no kernel for ", *device, " in this build");
 }
 
 }  // namespace actnn_zoo
@@ -185,11 +207,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_whole_backward_cpu(
 
 void register_attention_dropout(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("attention_keep", &attention_keep_cpu, py::call_guard<py::gil_scoped_release>(),
+  m.def("attention_keep", &attention_keep, py::call_guard<py::gil_scoped_release>(),
         py::arg("n0"), py::arg("n1"), py::arg("r0"), py::arg("r1"), py::arg("cols"),
         py::arg("L"), py::arg("s1"), py::arg("s2"), py::arg("threshold"),
-        "CPU only: bool (n1 - n0, r1 - r0, cols), the attention dropout keep-mask of one tile "
-        "(functional.attention._Dropout.keep).");
+        py::arg("device") = py::none(),
+        "bool (n1 - n0, r1 - r0, cols) on device (default the CPU; CUDA in a CUDA build), the "
+        "attention dropout keep-mask of one tile (functional.attention._Dropout.keep).");
   m.def("attention_softmax_", &attention_softmax_cpu, py::call_guard<py::gil_scoped_release>(),
         py::arg("s"), py::arg("causal"),
         "CPU only: in place, the attention Function's softmax of contiguous float32/float64 "

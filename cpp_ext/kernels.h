@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 #include "bf16.h"  // AZ_HD (host + device inline)
+#include "variance.h"  // VarPayload, VarSource, VarCorrection, Strided
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -26,6 +27,19 @@ AZ_HD uint32_t seed_key(uint32_t seed) { return fmix32(seed + 0x9E3779B9u); }
 AZ_HD float uniform_from_index(uint64_t i, uint32_t key) {
   uint32_t h = fmix32(static_cast<uint32_t>(i) ^ key ^ (static_cast<uint32_t>(i >> 32) * 0x85EBCA6Bu));
   return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+}
+
+// The attention dropout's keep-mask (functional/attention.py, _Dropout): element (n, r, j) of
+// an (N, L, S) call is kept when fmix32(row_hash(n * L + r) ^ col_hash(j)) < threshold
+// (unsigned), with the row's hash mixing both 32-bit halves of the int64 row index. One copy
+// for the CPU loop (attention_dropout_cpu.cpp) and the CUDA kernel (attention_dropout_cuda.cu).
+AZ_HD uint32_t keep_row_hash(int64_t row, uint32_t s2) {
+  return fmix32(fmix32(static_cast<uint32_t>(row) ^ s2) ^
+                static_cast<uint32_t>(static_cast<uint64_t>(row) >> 32));
+}
+AZ_HD uint32_t keep_col_hash(int64_t j, uint32_t s1) { return fmix32(static_cast<uint32_t>(j) ^ s1); }
+AZ_HD bool keep_of(uint32_t row_hash, uint32_t col_hash, uint32_t threshold) {
+  return fmix32(row_hash ^ col_hash) < threshold;
 }
 
 // (N, D) of the quantization contract's row view of a tensor of `shape`: dim 0 is the sample,
@@ -167,6 +181,20 @@ at::Tensor pack_mask_cuda(const at::Tensor& mask);
 at::Tensor unpack_mask_cuda(const at::Tensor& packed, int64_t numel);
 at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
                             std::optional<double> on, std::optional<double> off);
+// attention_dropout_cuda.cu: the keep-mask of one tile on `device` (attention_keep's CUDA
+// half; arguments checked by attention_keep first).
+at::Tensor attention_keep_cuda(int64_t n0, int64_t n1, int64_t r0, int64_t r1, int64_t cols,
+                               int64_t L, int64_t s1, int64_t s2, int64_t threshold,
+                               c10::Device device);
+// variance_cuda.cu: rounding_variance_codes / _correct_ on CUDA, their arguments checked and
+// laid out by variance_cpu.cpp (check_codes, check_correct) first.
+at::Tensor rounding_variance_codes_cuda(const VarPayload& p, const VarSource& s,
+                                        const at::Tensor& src, int64_t numel, int64_t offset,
+                                        int64_t stride, int64_t slots, int64_t seed);
+void rounding_variance_correct_cuda(at::Tensor& grad_in, const at::Tensor& grad,
+                                    const VarCorrection& c, const Strided& gi_at,
+                                    const Strided& g_at, int64_t offset, int64_t stride,
+                                    int64_t kept);
 #endif
 
 }  // namespace actnn_zoo

@@ -50,4 +50,104 @@ AZ_HD float variance_correction(float g, float c, uint32_t code, float lo, float
   return fmul(fmul(g, c), fmul(v, stride));
 }
 
+// Memory offset of a flat logical (row-major) index of a tensor of any strides, at most
+// kVarMaxDims dims (a gradient of sum() is an expanded scalar, an aten norm backward may return
+// channels-last: both directions read and write through strides, no contiguous copies).
+constexpr int kVarMaxDims = 16;
+struct Strided {
+  int nd = 0;
+  bool flat = true;  // contiguous: the offset is the index
+  int64_t size[kVarMaxDims] = {};
+  int64_t stride[kVarMaxDims] = {};
+
+  AZ_HD int64_t at(int64_t i) const {
+    if (flat) return i;
+    int64_t off = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+      const int64_t s = size[d];
+      const int64_t q = i / s;
+      off += (i - q * s) * stride[d];
+      i = q;
+    }
+    return off;
+  }
+};
+
+// Which statistic (or weight) a flat logical index reads: (i / block) % period, period <= 0
+// meaning no wrap (_rounding_variance.Stat).
+AZ_HD int64_t stat_index(int64_t i, int64_t block, int64_t period) {
+  const int64_t s = i / block;
+  return period > 0 ? s % period : s;
+}
+
+// The metadata of the coded tensor the variances describe: lo / step (N, G) bf16 patterns, the
+// width of each row (row_bits, null for one width `levels` = 2^bits - 1), rows of d values in
+// groups of group_size.
+struct VarPayload {
+  const uint16_t* lo;
+  const uint16_t* step;
+  const uint8_t* row_bits;
+  float levels;
+  int64_t d, groups, group_size;
+};
+
+// The rounding variance of the value x at flat index i of the payload p: its group's lo, step
+// and width looked up, then rounding_variance. A row width outside {1, 2, 4, 8} (which the CPU
+// entry rejects; a GPU cannot check without a read-back) counts as deterministic: 0.
+AZ_HD float payload_variance(const VarPayload& p, int64_t i, float x) {
+  const int64_t row = i / p.d;
+  const int64_t g = (i - row * p.d) / p.group_size;
+  const float lo = bf16_value(p.lo[row * p.groups + g]);
+  const float step = bf16_value(p.step[row * p.groups + g]);
+  float levels = p.levels;
+  if (p.row_bits != nullptr) {
+    const uint32_t b = p.row_bits[row];
+    if (b != 1 && b != 2 && b != 4 && b != 8) return 0.0f;
+    levels = static_cast<float>((1u << b) - 1u);
+  }
+  return rounding_variance(x, lo, step, levels);
+}
+
+// Where the values come from: x (any strides), as themselves, or normalized on the way as a
+// norm's quantizer saw them, (x - shift[s]) * scale[s] with s = stat_index(i, block, period),
+// computed in W (float32, or float64 for a float64 input), rounded once to float32.
+struct VarSource {
+  const void* x;
+  Strided at;
+  const void* shift;  // null: the values themselves
+  const void* scale;
+  int64_t block, period;
+};
+
+template <typename W>
+AZ_HD float normalized_value(W x, const VarSource& s, int64_t i) {
+  const int64_t j = stat_index(i, s.block, s.period);
+  const W m = static_cast<const W*>(s.shift)[j];
+  const W c = static_cast<const W*>(s.scale)[j];
+  return static_cast<float>((x - m) * c);
+}
+
+// What backward adds at the k-th kept index i: (g_i * c_i) * (stride * v_hat_k), with c_i =
+// scale[s] * weight[w] / divisor (each factor optional) and v_hat_k decoded from the 1-bit
+// buffer [lo (G bf16) | step (G bf16) | bits] (G = ceil(slots / group)).
+struct VarCorrection {
+  const uint16_t* vlo;
+  const uint16_t* vstep;
+  const uint8_t* bits;
+  const float* scale;   // null: no factor
+  const float* weight;  // null: no factor
+  int64_t stat_block, stat_period, weight_block, weight_period, group;
+  float divisor, stride;
+};
+
+AZ_HD float correction_term(const VarCorrection& c, int64_t k, int64_t i, float g) {
+  float f = c.scale != nullptr ? c.scale[stat_index(i, c.stat_block, c.stat_period)] : 1.0f;
+  if (c.weight != nullptr) f = fmul(f, c.weight[stat_index(i, c.weight_block, c.weight_period)]);
+  f = fdiv(f, c.divisor);
+  const uint32_t code = (c.bits[k >> 3] >> (k & 7)) & 1u;
+  const int64_t vg = k / c.group;
+  return variance_correction(g, f, code, bf16_value(c.vlo[vg]), bf16_value(c.vstep[vg]),
+                             c.stride);
+}
+
 }  // namespace actnn_zoo

@@ -45,42 +45,18 @@ namespace actnn_zoo {
 namespace {
 
 constexpr int kVarGroup = 256;  // the 1-bit codes' group (_rounding_variance._VARIANCE_GROUP)
-constexpr int kMaxDims = 16;
 
-// Memory offset of a flat logical (row-major) index of a tensor of any strides.
-struct Strided {
-  int nd = 0;
-  bool flat = true;  // contiguous: the offset is the index
-  int64_t size[kMaxDims] = {};
-  int64_t stride[kMaxDims] = {};
-
-  explicit Strided(const at::Tensor& t) {
-    TORCH_CHECK_VALUE(t.dim() <= kMaxDims, "tensors of at most ", kMaxDims, " dims, got ",
-                      t.dim());
-    flat = t.is_contiguous();
-    nd = static_cast<int>(t.dim());
-    for (int d = 0; d < nd; ++d) {
-      size[d] = t.size(d);
-      stride[d] = t.stride(d);
-    }
+Strided strided_of(const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() <= kVarMaxDims, "tensors of at most ", kVarMaxDims, " dims, got ",
+                    t.dim());
+  Strided s;
+  s.flat = t.is_contiguous();
+  s.nd = static_cast<int>(t.dim());
+  for (int d = 0; d < s.nd; ++d) {
+    s.size[d] = t.size(d);
+    s.stride[d] = t.stride(d);
   }
-  AZ_INLINE int64_t at(int64_t i) const {
-    if (flat) return i;
-    int64_t off = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-      const int64_t s = size[d];
-      const int64_t q = i / s;
-      off += (i - q * s) * stride[d];
-      i = q;
-    }
-    return off;
-  }
-};
-
-// (i / block) % period, period <= 0 meaning no wrap.
-AZ_INLINE int64_t stat_index(int64_t i, int64_t block, int64_t period) {
-  const int64_t s = i / block;
-  return period > 0 ? s % period : s;
+  return s;
 }
 
 template <typename T>
@@ -94,57 +70,26 @@ AZ_INLINE float as_float(T v) {
   }
 }
 
-struct Payload {  // the metadata of the coded tensor the variances describe
-  const uint16_t* lo;
-  const uint16_t* step;
-  const uint8_t* row_bits;  // null: one width
-  float levels;             // 2^bits - 1 of the one width
-  int64_t d, groups, group_size;
-};
-
-struct Source {  // where the values come from
-  const void* x;
-  Strided at;
-  const void* shift;  // null: the values themselves; else (x - shift[s]) * scale[s]
-  const void* scale;
-  int64_t block, period;
-};
-
 // The value at flat index i: x_i as float32, or its normalized value computed in W (float32, or
 // float64 for a float64 input) and rounded to float32, as the twin computes it.
 template <typename T, typename W>
-AZ_INLINE float value_at(const Source& s, int64_t i) {
+AZ_INLINE float value_at(const VarSource& s, int64_t i) {
   const T x = static_cast<const T*>(s.x)[s.at.at(i)];
   if (s.shift == nullptr) return as_float(x);
-  const int64_t j = stat_index(i, s.block, s.period);
-  const W m = static_cast<const W*>(s.shift)[j];
-  const W c = static_cast<const W*>(s.scale)[j];
-  W w;
   if constexpr (std::is_same<W, double>::value) {
-    w = static_cast<double>(x);
+    return normalized_value<double>(static_cast<double>(x), s, i);
   } else {
-    w = as_float(x);
+    return normalized_value<float>(as_float(x), s, i);
   }
-  return static_cast<float>((w - m) * c);
 }
 
 // Slots [k0, k0 + n) of the variance vector (n <= kVarGroup) into v.
 template <typename T, typename W>
-void variance_slots(const Payload& p, const Source& s, int64_t numel, int64_t offset,
+void variance_slots(const VarPayload& p, const VarSource& s, int64_t numel, int64_t offset,
                     int64_t stride, int64_t k0, int n, float* v) {
   for (int e = 0; e < n; ++e) {
     const int64_t i = offset + (k0 + e) * stride;
-    if (i >= numel) {
-      v[e] = 0.0f;
-      continue;
-    }
-    const int64_t row = i / p.d;
-    const int64_t g = (i - row * p.d) / p.group_size;
-    const float lo = bf16_value(p.lo[row * p.groups + g]);
-    const float step = bf16_value(p.step[row * p.groups + g]);
-    const float levels =
-        p.row_bits != nullptr ? static_cast<float>((1 << p.row_bits[row]) - 1) : p.levels;
-    v[e] = rounding_variance(value_at<T, W>(s, i), lo, step, levels);
+    v[e] = i < numel ? payload_variance(p, i, value_at<T, W>(s, i)) : 0.0f;
   }
 }
 
@@ -177,7 +122,7 @@ void code_variances(const float* v, int n, uint64_t i0, uint32_t key, uint8_t* o
 }
 
 template <typename T, typename W>
-void variance_codes_impl(const Payload& p, const Source& s, int64_t numel, int64_t offset,
+void variance_codes_impl(const VarPayload& p, const VarSource& s, int64_t numel, int64_t offset,
                          int64_t stride, int64_t slots, uint32_t key, uint8_t* data,
                          uint16_t* lo, uint16_t* step) {
   const int64_t groups = (slots + kVarGroup - 1) / kVarGroup;
@@ -193,9 +138,9 @@ void variance_codes_impl(const Payload& p, const Source& s, int64_t numel, int64
 }
 
 void check_float_vector(const std::optional<at::Tensor>& t, const char* name,
-                        at::ScalarType dtype) {
+                        at::ScalarType dtype, c10::Device dev) {
   if (!t.has_value()) return;
-  TORCH_CHECK(t->device().is_cpu(), name, " must be a CPU tensor, got one on ", t->device());
+  TORCH_CHECK(t->device() == dev, name, " must be on ", dev, ", got one on ", t->device());
   TORCH_CHECK(t->scalar_type() == dtype, name, " must be ", dtype, ", got ", t->scalar_type());
   TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
 }
@@ -254,15 +199,28 @@ int64_t stream_seed(int64_t key, int64_t k) {
       fmix32(static_cast<uint32_t>(key) ^ fmix32(static_cast<uint32_t>(k))) & 0x7FFFFFFFu);
 }
 
-at::Tensor rounding_variance_codes_cpu(
-    const at::Tensor& lo, const at::Tensor& step, const std::optional<at::Tensor>& row_bits,
-    int64_t bits, int64_t group_size, const at::Tensor& src,
-    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& scale,
-    int64_t stat_block, int64_t stat_period, int64_t offset, int64_t stride, int64_t seed) {
-  RECORD_USER_SCOPE("actnn_zoo::rounding_variance_codes");
-  for (const at::Tensor* t : {&lo, &step, &src}) {
-    TORCH_CHECK(t->device().is_cpu(), "rounding_variance_codes: CPU tensors only, got one on ",
-                t->device());
+namespace {
+
+// The checked arguments of rounding_variance_codes, on the device of src (CPU or CUDA): every
+// check runs here, in host-compiled code, before any kernel is called (quant_cuda.cu says why
+// the .cu files print no sizes).
+struct CodesCall {
+  VarPayload p;
+  VarSource s;
+  int64_t numel, slots, vgroups;
+};
+
+CodesCall check_codes(const at::Tensor& lo, const at::Tensor& step,
+                      const std::optional<at::Tensor>& row_bits, int64_t bits, int64_t group_size,
+                      const at::Tensor& src, const std::optional<at::Tensor>& shift,
+                      const std::optional<at::Tensor>& scale, int64_t stat_block,
+                      int64_t stat_period, int64_t offset, int64_t stride) {
+  const c10::Device dev = src.device();
+  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(),
+              "rounding_variance_codes: CPU or CUDA tensors only, got src on ", dev);
+  for (const at::Tensor* t : {&lo, &step}) {
+    TORCH_CHECK(t->device() == dev, "rounding_variance_codes: lo, step and src must be on one "
+                "device, got ", t->device(), " and ", dev);
   }
   TORCH_CHECK(lo.scalar_type() == at::kBFloat16 && step.scalar_type() == at::kBFloat16 &&
                   lo.dim() == 2 && lo.sizes() == step.sizes() && lo.is_contiguous() &&
@@ -285,78 +243,63 @@ at::Tensor rounding_variance_codes_cpu(
   const uint8_t* rb = nullptr;
   float levels = 0.0f;
   if (row_bits.has_value()) {
-    TORCH_CHECK(row_bits->device().is_cpu() && row_bits->scalar_type() == at::kByte &&
+    TORCH_CHECK(row_bits->device() == dev && row_bits->scalar_type() == at::kByte &&
                     row_bits->dim() == 1 && row_bits->size(0) == n_rows &&
                     row_bits->is_contiguous(),
-                "row_bits must be contiguous uint8 (", n_rows, ",), got ", row_bits->sizes(), " ",
-                row_bits->scalar_type());
+                "row_bits must be contiguous uint8 (", n_rows, ",) on ", dev, ", got ",
+                row_bits->sizes(), " ", row_bits->scalar_type(), " on ", row_bits->device());
     rb = row_bits->data_ptr<uint8_t>();
-    for (int64_t r = 0; r < n_rows; ++r) {
-      TORCH_CHECK_VALUE(rb[r] == 1 || rb[r] == 2 || rb[r] == 4 || rb[r] == 8, "row_bits[", r,
-                        "] must be 1, 2, 4 or 8, got ", static_cast<int>(rb[r]));
+    if (dev.is_cpu()) {  // on a GPU the values stay there (no read-back): other widths give 0
+      for (int64_t r = 0; r < n_rows; ++r) {
+        TORCH_CHECK_VALUE(rb[r] == 1 || rb[r] == 2 || rb[r] == 4 || rb[r] == 8, "row_bits[", r,
+                          "] must be 1, 2, 4 or 8, got ", static_cast<int>(rb[r]));
+      }
     }
   } else {
     TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8,
                       "bits must be 1, 2, 4 or 8, got ", bits);
     levels = static_cast<float>((1 << bits) - 1);
   }
-  const bool wide = src.scalar_type() == at::kDouble;
-  const at::ScalarType stat_dtype = wide ? at::kDouble : at::kFloat;
-  check_float_vector(shift, "shift", stat_dtype);
-  check_float_vector(scale, "scale", stat_dtype);
+  TORCH_CHECK(src.scalar_type() == at::kFloat || src.scalar_type() == at::kHalf ||
+                  src.scalar_type() == at::kBFloat16 || src.scalar_type() == at::kDouble,
+              "src must be float32, float16, bfloat16 or float64, got ", src.scalar_type());
+  const at::ScalarType stat_dtype = src.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  check_float_vector(shift, "shift", stat_dtype, dev);
+  check_float_vector(scale, "scale", stat_dtype, dev);
   check_stat_range(shift, "shift", numel, stat_block, stat_period);
   check_stat_range(scale, "scale", numel, stat_block, stat_period);
-
   const int64_t slots = (numel + stride - 1) / stride;
-  const int64_t vgroups = (slots + kVarGroup - 1) / kVarGroup;
-  at::Tensor buf = at::empty({4 * vgroups + (slots + 7) / 8}, src.options().dtype(at::kByte));
-  if (slots == 0) return buf;
-
-  const Payload p{reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>()), rb, levels,
-                  d, groups, group_size};
-  const Source s{src.data_ptr(), Strided(src),
-                 shift.has_value() ? shift->data_ptr() : nullptr,
-                 scale.has_value() ? scale->data_ptr() : nullptr, stat_block, stat_period};
-  const uint32_t key = seed_key(static_cast<uint32_t>(seed & 0xFFFFFFFF));
-  uint8_t* base = buf.data_ptr<uint8_t>();  // the allocator's alignment: uint16 at even bytes
-  uint16_t* lo_out = reinterpret_cast<uint16_t*>(base);
-  uint16_t* step_out = lo_out + vgroups;
-  uint8_t* out = base + 4 * vgroups;
-  switch (src.scalar_type()) {
-    case at::kFloat:
-      variance_codes_impl<float, float>(p, s, numel, offset, stride, slots, key, out, lo_out,
-                                        step_out);
-      break;
-    case at::kHalf:
-      variance_codes_impl<c10::Half, float>(p, s, numel, offset, stride, slots, key, out, lo_out,
-                                            step_out);
-      break;
-    case at::kBFloat16:
-      variance_codes_impl<c10::BFloat16, float>(p, s, numel, offset, stride, slots, key, out,
-                                                lo_out, step_out);
-      break;
-    case at::kDouble:
-      variance_codes_impl<double, double>(p, s, numel, offset, stride, slots, key, out, lo_out,
-                                          step_out);
-      break;
-    default:
-      TORCH_CHECK(false, "src must be float32, float16, bfloat16 or float64, got ",
-                  src.scalar_type());
-  }
-  return buf;
+  CodesCall c;
+  c.p = VarPayload{reinterpret_cast<const uint16_t*>(lo.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<const uint16_t*>(step.data_ptr<at::BFloat16>()), rb, levels,
+                   d, groups, group_size};
+  c.s = VarSource{src.data_ptr(), strided_of(src),
+                  shift.has_value() ? shift->data_ptr() : nullptr,
+                  scale.has_value() ? scale->data_ptr() : nullptr, stat_block, stat_period};
+  c.numel = numel;
+  c.slots = slots;
+  c.vgroups = (slots + kVarGroup - 1) / kVarGroup;
+  return c;
 }
 
-at::Tensor rounding_variance_correct_cpu(
-    at::Tensor grad_in, const at::Tensor& grad, const at::Tensor& codes, int64_t offset,
-    int64_t stride, const std::optional<at::Tensor>& scale,
-    int64_t stat_block, int64_t stat_period, const std::optional<at::Tensor>& weight,
-    int64_t weight_block, int64_t weight_period, double divisor) {
-  RECORD_USER_SCOPE("actnn_zoo::rounding_variance_correct_");
-  const at::Tensor& gin = grad_in;
-  for (const at::Tensor* t : {&gin, &grad, &codes}) {
-    TORCH_CHECK(t->device().is_cpu(), "rounding_variance_correct_: CPU tensors only, got one on ",
-                t->device());
+// The checked arguments of rounding_variance_correct_, on the device of grad_in.
+struct CorrectCall {
+  VarCorrection c;
+  Strided gi_at, g_at;
+  int64_t kept;
+};
+
+CorrectCall check_correct(const at::Tensor& grad_in, const at::Tensor& grad,
+                          const at::Tensor& codes, int64_t offset, int64_t stride,
+                          const std::optional<at::Tensor>& scale, int64_t stat_block,
+                          int64_t stat_period, const std::optional<at::Tensor>& weight,
+                          int64_t weight_block, int64_t weight_period, double divisor) {
+  const c10::Device dev = grad_in.device();
+  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(),
+              "rounding_variance_correct_: CPU or CUDA tensors only, got grad_in on ", dev);
+  for (const at::Tensor* t : {&grad, &codes}) {
+    TORCH_CHECK(t->device() == dev, "rounding_variance_correct_: grad_in, grad and codes must "
+                "be on one device, got ", t->device(), " and ", dev);
   }
   TORCH_CHECK(grad_in.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat,
               "grad_in and grad must be float32, got ", grad_in.scalar_type(), " and ",
@@ -378,39 +321,129 @@ at::Tensor rounding_variance_correct_cpu(
               codes.scalar_type());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 2 == 0,
               "codes must start at an even address (bf16 metadata first)");
-  check_float_vector(scale, "scale", at::kFloat);
-  check_float_vector(weight, "weight", at::kFloat);
+  check_float_vector(scale, "scale", at::kFloat, dev);
+  check_float_vector(weight, "weight", at::kFloat, dev);
   check_stat_range(scale, "scale", numel, stat_block, stat_period);
   check_stat_range(weight, "weight", numel, weight_block, weight_period);
-  const int64_t kept = offset < numel ? (numel - offset + stride - 1) / stride : 0;
-  if (kept == 0) return grad_in;
+  const uint8_t* base = codes.data_ptr<uint8_t>();
+  CorrectCall c;
+  c.c = VarCorrection{reinterpret_cast<const uint16_t*>(base),
+                      reinterpret_cast<const uint16_t*>(base) + vgroups, base + 4 * vgroups,
+                      scale.has_value() ? scale->data_ptr<float>() : nullptr,
+                      weight.has_value() ? weight->data_ptr<float>() : nullptr, stat_block,
+                      stat_period, weight_block, weight_period, kVarGroup,
+                      static_cast<float>(divisor), static_cast<float>(stride)};
+  c.gi_at = strided_of(grad_in);
+  c.g_at = strided_of(grad);
+  c.kept = offset < numel ? (numel - offset + stride - 1) / stride : 0;
+  return c;
+}
 
-  const Strided gi_at(grad_in), g_at(grad);
+}  // namespace
+
+at::Tensor rounding_variance_codes_cpu(
+    const at::Tensor& lo, const at::Tensor& step, const std::optional<at::Tensor>& row_bits,
+    int64_t bits, int64_t group_size, const at::Tensor& src,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& scale,
+    int64_t stat_block, int64_t stat_period, int64_t offset, int64_t stride, int64_t seed) {
+  RECORD_USER_SCOPE("actnn_zoo::rounding_variance_codes");
+  TORCH_CHECK(src.device().is_cpu(), "rounding_variance_codes_cpu: CPU tensors only, got one on ",
+              src.device());
+  const CodesCall c = check_codes(lo, step, row_bits, bits, group_size, src, shift, scale,
+                                  stat_block, stat_period, offset, stride);
+  at::Tensor buf =
+      at::empty({4 * c.vgroups + (c.slots + 7) / 8}, src.options().dtype(at::kByte));
+  if (c.slots == 0) return buf;
+  const uint32_t key = seed_key(static_cast<uint32_t>(seed & 0xFFFFFFFF));
+  uint8_t* base = buf.data_ptr<uint8_t>();  // the allocator's alignment: uint16 at even bytes
+  uint16_t* lo_out = reinterpret_cast<uint16_t*>(base);
+  uint16_t* step_out = lo_out + c.vgroups;
+  uint8_t* out = base + 4 * c.vgroups;
+  switch (src.scalar_type()) {
+    case at::kFloat:
+      variance_codes_impl<float, float>(c.p, c.s, c.numel, offset, stride, c.slots, key, out,
+                                        lo_out, step_out);
+      break;
+    case at::kHalf:
+      variance_codes_impl<c10::Half, float>(c.p, c.s, c.numel, offset, stride, c.slots, key,
+                                            out, lo_out, step_out);
+      break;
+    case at::kBFloat16:
+      variance_codes_impl<c10::BFloat16, float>(c.p, c.s, c.numel, offset, stride, c.slots, key,
+                                                out, lo_out, step_out);
+      break;
+    default:  // float64 (check_codes admits nothing else)
+      variance_codes_impl<double, double>(c.p, c.s, c.numel, offset, stride, c.slots, key, out,
+                                          lo_out, step_out);
+  }
+  return buf;
+}
+
+at::Tensor rounding_variance_correct_cpu(
+    at::Tensor grad_in, const at::Tensor& grad, const at::Tensor& codes, int64_t offset,
+    int64_t stride, const std::optional<at::Tensor>& scale,
+    int64_t stat_block, int64_t stat_period, const std::optional<at::Tensor>& weight,
+    int64_t weight_block, int64_t weight_period, double divisor) {
+  RECORD_USER_SCOPE("actnn_zoo::rounding_variance_correct_");
+  TORCH_CHECK(grad_in.device().is_cpu(),
+              "rounding_variance_correct_cpu: CPU tensors only, got one on ", grad_in.device());
+  const CorrectCall c = check_correct(grad_in, grad, codes, offset, stride, scale, stat_block,
+                                      stat_period, weight, weight_block, weight_period, divisor);
+  if (c.kept == 0) return grad_in;
   float* gi = grad_in.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
-  const uint8_t* base = codes.data_ptr<uint8_t>();
-  const uint16_t* vlo = reinterpret_cast<const uint16_t*>(base);
-  const uint16_t* vstep = vlo + vgroups;
-  const uint8_t* bits = base + 4 * vgroups;
-  const float* sc = scale.has_value() ? scale->data_ptr<float>() : nullptr;
-  const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
-  const float div = static_cast<float>(divisor);
-  const float fstride = static_cast<float>(stride);
-  parallel_tasks(kept, 1 << 14, [&](int64_t begin, int64_t end) {
+  parallel_tasks(c.kept, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const int64_t i = offset + k * stride;
-      float c = sc != nullptr ? sc[stat_index(i, stat_block, stat_period)] : 1.0f;
-      if (w != nullptr) c = c * w[stat_index(i, weight_block, weight_period)];
-      c = c / div;
-      const uint32_t code = (bits[k >> 3] >> (k & 7)) & 1u;
-      const int64_t vg = k / kVarGroup;
-      const float t = variance_correction(g[g_at.at(i)], c, code, bf16_value(vlo[vg]),
-                                          bf16_value(vstep[vg]), fstride);
-      float& out = gi[gi_at.at(i)];
-      out = out + t;
+      float& out = gi[c.gi_at.at(i)];
+      out = out + correction_term(c.c, k, i, g[c.g_at.at(i)]);
     }
   });
   return grad_in;
+}
+
+// The Python entries: the same checks, then the CPU loops or the CUDA kernels
+// (variance_cuda.cu) by the tensors' device.
+at::Tensor rounding_variance_codes(
+    const at::Tensor& lo, const at::Tensor& step, const std::optional<at::Tensor>& row_bits,
+    int64_t bits, int64_t group_size, const at::Tensor& src,
+    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& scale,
+    int64_t stat_block, int64_t stat_period, int64_t offset, int64_t stride, int64_t seed) {
+  if (!src.is_cuda()) {
+    return rounding_variance_codes_cpu(lo, step, row_bits, bits, group_size, src, shift, scale,
+                                       stat_block, stat_period, offset, stride, seed);
+  }
+#ifdef ACTNN_ZOO_CUDA
+  RECORD_USER_SCOPE("actnn_zoo::rounding_variance_codes");
+  const CodesCall c = check_codes(lo, step, row_bits, bits, group_size, src, shift, scale,
+                                  stat_block, stat_period, offset, stride);
+  return rounding_variance_codes_cuda(c.p, c.s, src, c.numel, offset, stride, c.slots, seed);
+#else
+  TORCH_CHECK(false, "rounding_variance_codes: this build of actnn_zoo has no CUDA kernels");
+#endif
+}
+
+at::Tensor rounding_variance_correct_(
+    at::Tensor grad_in, const at::Tensor& grad, const at::Tensor& codes, int64_t offset,
+    int64_t stride, const std::optional<at::Tensor>& scale,
+    int64_t stat_block, int64_t stat_period, const std::optional<at::Tensor>& weight,
+    int64_t weight_block, int64_t weight_period, double divisor) {
+  if (!grad_in.is_cuda()) {
+    return rounding_variance_correct_cpu(grad_in, grad, codes, offset, stride, scale, stat_block,
+                                         stat_period, weight, weight_block, weight_period,
+                                         divisor);
+  }
+#ifdef ACTNN_ZOO_CUDA
+  RECORD_USER_SCOPE("actnn_zoo::rounding_variance_correct_");
+  const CorrectCall c = check_correct(grad_in, grad, codes, offset, stride, scale, stat_block,
+                                      stat_period, weight, weight_block, weight_period, divisor);
+  if (c.kept > 0) {
+    rounding_variance_correct_cuda(grad_in, grad, c.c, c.gi_at, c.g_at, offset, stride, c.kept);
+  }
+  return grad_in;
+#else
+  TORCH_CHECK(false, "rounding_variance_correct_: this build of actnn_zoo has no CUDA kernels");
+#endif
 }
 
 void register_variance(pybind11::module_& m) {
@@ -425,7 +458,7 @@ void register_variance(pybind11::module_& m) {
   m.def("stream_seed", &stream_seed, py::arg("key"), py::arg("k"),
         "fmix32(key ^ fmix32(k)) & 0x7FFFFFFF on the low 32 bits of key and k: the k-th seed "
         "of quant.seeds.SeedStream.");
-  m.def("rounding_variance_codes", &rounding_variance_codes_cpu, nogil, py::arg("lo"),
+  m.def("rounding_variance_codes", &rounding_variance_codes, nogil, py::arg("lo"),
         py::arg("step"), py::arg("row_bits"), py::arg("bits"), py::arg("group_size"),
         py::arg("src"), py::arg("shift"), py::arg("scale"), py::arg("stat_block"),
         py::arg("stat_period"), py::arg("offset"), py::arg("stride"), py::arg("seed"),
@@ -433,15 +466,16 @@ void register_variance(pybind11::module_& m) {
         "stride of a payload with metadata lo/step (N, G) and widths row_bits (N,) or bits; "
         "values src[i], or (src[i] - shift[s]) * scale[s] with s = (i / stat_block) % "
         "stat_period (_rounding_variance._sample_torch); one uint8 buffer [lo (G bf16) | step "
-        "(G bf16) | packed bits]. CPU only.");
-  m.def("rounding_variance_correct_", &rounding_variance_correct_cpu, nogil,
+        "(G bf16) | packed bits]. CPU and CUDA (whose row_bits values are not read back: a width "
+        "outside {1, 2, 4, 8} gives 0 there, an error on the CPU).");
+  m.def("rounding_variance_correct_", &rounding_variance_correct_, nogil,
         py::arg("grad_in"), py::arg("grad"), py::arg("codes"), py::arg("offset"),
         py::arg("stride"), py::arg("scale"), py::arg("stat_block"), py::arg("stat_period"),
         py::arg("weight"), py::arg("weight_block"), py::arg("weight_period"),
         py::arg("divisor"),
         "grad_in[i] += (grad[i] * c_i) * (stride * v_hat_k) at i = offset + k * stride, in "
         "place, from rounding_variance_codes' buffer; c_i = scale[s] * weight[w] / divisor "
-        "(_rounding_variance._correct_torch). float32, any strides. CPU only.");
+        "(_rounding_variance._correct_torch). float32, any strides. CPU and CUDA.");
 }
 
 }  // namespace actnn_zoo

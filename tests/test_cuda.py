@@ -954,3 +954,117 @@ def test_compiled_nodes_skip_the_stores_own_hooks_on_cuda(monkeypatch):
         grads[name] = [p.grad for p in q.parameters()]
     for a, b in zip(grads["skipped"], grads["hooks"]):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# the sampled rounding variances (cpp_ext/variance_cuda.cu) against the torch twin and the CPU
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES + (torch.float64,))
+@pytest.mark.parametrize("widths", ["2", "sample"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("normalized", [False, True])
+def test_rounding_variance_codes_on_cuda(dtype, widths, layout, normalized):
+    """The CUDA entry's 1-bit codes equal the torch twin's on CUDA and the CPU kernel's, byte
+    for byte, over source dtypes, per-sample widths, a strided source and a norm's fused
+    (x - shift) * scale per channel."""
+    from actnn_zoo.functional import _rounding_variance as rv
+    from actnn_zoo.quant import quantize
+
+    gen = torch.Generator().manual_seed(11)
+    n, c, h, w = 6, 5, 7, 9
+    x = (torch.randn(n, c, h, w, generator=gen) * 2.0).to(dtype)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    kw = {}
+    if normalized:
+        shift = (torch.randn(c, generator=gen) * 0.3).to(work)
+        scale = (torch.rand(c, generator=gen) + 0.5).to(work)
+        x_hat = ((x.to(work) - shift.view(1, c, 1, 1)) * scale.view(1, c, 1, 1)).float()
+        kw = {"shift": shift.view(1, c, 1, 1), "scale": scale.view(1, c, 1, 1),
+              "stat": (h * w, c)}
+    else:
+        x_hat = x.float()
+    bits = (SampleBits(torch.tensor([2, 4, 1, 8, 2, 2], dtype=torch.uint8), 19)
+            if widths == "sample" else 2)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    for stride in (1, 3, 8, 40):
+        draw = (stride // 2, 1234 + stride)
+        q_cpu = quantize(x_hat, bits, 64, seed=5)
+        _, on_cpu = rv.sample_variance(q_cpu, x, "stochastic", stride, draw=draw, **kw)
+        q = quantize(x_hat.to(DEV), SampleBits(bits.bits.to(DEV), bits.max_sum)
+                     if widths == "sample" else bits, 64, seed=5)
+        dev_kw = {k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in kw.items()}
+        _, got = rv.sample_variance(q, x.to(DEV), "stochastic", stride, draw=draw, **dev_kw)
+        twin = rv._sample_torch(q, x.to(DEV), dev_kw.get("shift"), dev_kw.get("scale"),
+                                dev_kw.get("stat", (1, 0)), draw[0], stride, draw[1])
+        assert torch.equal(got.cpu(), twin.cpu()), f"kernel and twin differ at stride {stride}"
+        assert torch.equal(got.cpu(), on_cpu), f"CUDA and CPU differ at stride {stride}"
+
+
+@pytest.mark.parametrize("grad_layout", ["contiguous", "expanded", "channels_last"])
+def test_rounding_variance_correction_on_cuda(grad_layout):
+    """The CUDA correction equals the torch twin's and the CPU kernel's, bit for bit, with a
+    scale per channel, a weight and a divisor, through the gradients' strides."""
+    from actnn_zoo.functional import _rounding_variance as rv
+    from actnn_zoo.quant import quantize
+
+    gen = torch.Generator().manual_seed(3)
+    shape, c, hw = (4, 6, 5, 3), 6, 15
+    x = torch.randn(shape, generator=gen)
+    scale = torch.rand(c, generator=gen) + 0.5
+    weight = torch.randn(c, generator=gen)
+    if grad_layout == "expanded":
+        go = torch.randn((), generator=gen).expand(shape)
+    elif grad_layout == "channels_last":
+        go = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    else:
+        go = torch.randn(shape, generator=gen)
+    gi = torch.randn(shape, generator=gen)
+    for stride in (1, 4, 9):
+        draw, codes = rv.sample_variance(quantize(x, 2, 32, seed=2), x, "stochastic", stride,
+                                         draw=(stride - 1, 99))
+        kw = {"stat": (hw, c), "weight_stat": (hw, c), "divisor": 7.0}
+        want = rv.correct_(gi.clone(), go, draw, codes, scale=scale, weight=weight, **kw)
+        got = rv.correct_(gi.to(DEV, copy=True), go.to(DEV), draw, codes.to(DEV),
+                          scale=scale.to(DEV), weight=weight.to(DEV), **kw)
+        twin = rv._correct_torch(gi.to(DEV, copy=True), go.to(DEV), draw[0], stride,
+                                 codes.to(DEV), scale.to(DEV), weight.to(DEV), kw["stat"],
+                                 kw["weight_stat"], kw["divisor"])
+        assert torch.equal(got.cpu(), want) and torch.equal(twin.cpu(), want)
+
+
+def test_rounding_variance_bad_arguments_raise_on_cuda():
+    """Mixed devices and bad widths are named before any kernel runs (the checks are host code,
+    shared with the CPU entry)."""
+    from actnn_zoo.quant import quantize
+
+    x = torch.randn(4, 16, device=DEV)
+    q = quantize(x, 2, 8, seed=1)
+    with pytest.raises(RuntimeError, match="one device"):
+        _C.rounding_variance_codes(q.lo.cpu(), q.step.cpu(), None, 2, 8, x, None, None, 1, 0,
+                                   0, 4, 1)
+    with pytest.raises(ValueError, match="bits must be"):
+        _C.rounding_variance_codes(q.lo, q.step, None, 3, 8, x, None, None, 1, 0, 0, 4, 1)
+    with pytest.raises(RuntimeError, match="one device"):
+        _C.rounding_variance_correct_(torch.zeros(4, 16, device=DEV), torch.zeros(4, 16),
+                                      torch.zeros(20, dtype=torch.uint8, device=DEV), 0, 4,
+                                      None, 1, 0, None, 1, 0, 1.0)
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_attention_keep_mask_on_cuda(big):
+    """The CUDA keep-mask of a tile (cpp_ext/attention_dropout_cuda.cu) equals the CPU kernel's
+    and the torch program's on CUDA, bit for bit, also for rows past 2^32 (the row's high
+    word enters the hash)."""
+    from actnn_zoo.functional import attention as attn
+
+    for seed, p, L, S in ((3, 0.1, 37, 53), (2 ** 31 - 5, 0.9, 8, 300), (0, 0.5, 1, 1)):
+        on_gpu = attn._Dropout(seed, p, L, S, DEV)
+        on_cpu = attn._Dropout(seed, p, L, S, torch.device("cpu"))
+        assert on_gpu.compiled
+        n0 = (1 << 32) // L + 3 if big else 0
+        for n1, r0, r1, cols in ((n0 + 4, 0, L, S), (n0 + 1, L // 2, L, S // 2 + 1)):
+            got = on_gpu.keep(n0, n1, r0, r1, cols)
+            assert got.device.type == DEV.type and got.dtype == torch.bool
+            assert torch.equal(got.cpu(), on_cpu.keep(n0, n1, r0, r1, cols))
+            assert torch.equal(got, on_gpu.keep_torch(n0, n1, r0, r1, cols))

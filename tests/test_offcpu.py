@@ -184,13 +184,22 @@ def test_an_attention_mask_tile_is_taken_without_a_host_read():
 
 
 def test_a_dropout_tile_on_the_gpu_path_costs_a_few_operators():
-    """Off the CPU the keep-mask is a torch program: with the call's batch known its rows are
-    hashed once (the first tile) and every further tile is the column mix and the compare,
-    about 16 operators, against ~60 when each tile hashes its rows again."""
+    """Off the CPU the keep-mask is one kernel call per tile (cpp_ext/attention_dropout_cuda.cu;
+    its meta stand-in here): one operator, the output. Without the kernel (a build without
+    CUDA kernels) it is a torch program: with the call's batch known its rows are hashed once
+    (the first tile) and every further tile is the column mix and the compare, about 16
+    operators, against ~60 when each tile hashes its rows again."""
+    kernel = attn._Dropout(7, 0.1, 64, 64, META, batch=8)
+    assert kernel.compiled
+    assert offcpu_work(lambda: kernel.keep(4, 8, 0, 64)).ops == 1
+    assert kernel.keep(4, 8, 0, 64).shape == (4, 64, 64)
+
     once = attn._Dropout(7, 0.1, 64, 64, META, batch=8)
+    once._kernel = None  # the torch program
     first = offcpu_work(lambda: once.keep(0, 4, 0, 64))
     later = offcpu_work(lambda: once.keep(4, 8, 0, 64))
     each = attn._Dropout(7, 0.1, 64, 64, META)
+    each._kernel = None
     each.keep(0, 4, 0, 64)  # its column hashes, made once either way
     per_tile = offcpu_work(lambda: each.keep(4, 8, 0, 64))
     assert later.ops <= 20 < first.ops

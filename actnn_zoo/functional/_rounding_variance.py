@@ -35,9 +35,13 @@ ops and two ``.item()`` draws per call) added ~300 us to a tiny LayerNorm call. 
 each direction is now one compiled call (``cpp_ext/variance_cpu.cpp``: the variances computed,
 quantized at 1 bit and packed in one loop; the correction added in place through any strides),
 and the (offset, seed) pair of a call comes from torch's default generator without a tensor
-read (``draw_sample``). :func:`_sample_torch` and :func:`_correct_torch` are the torch twins,
-equal bit for bit (``tests/test_rounding_variance_kernels.py``); they run elsewhere (CUDA,
-float64 gradients, no compiled extension), still without a device synchronisation.
+read (``draw_sample``). On CUDA (``cpp_ext/variance_cuda.cu``, not yet run on a GPU) the
+forward is a kernel for the variances and the library's quantize kernel, the correction one
+kernel; the per-value arithmetic of both devices is one header (``cpp_ext/variance.h``).
+:func:`_sample_torch` and :func:`_correct_torch` are the torch twins, equal bit for bit
+(``tests/test_rounding_variance_kernels.py``, and ``tests/test_cuda.py`` on a GPU); they run
+elsewhere (float64 gradients, a build without the extension or its CUDA kernels), still
+without a device synchronisation.
 
 Applies to plain stochastic codes (:class:`~actnn_zoo.quant.QuantizedTensor` without a
 rotation or exact-zero coding); other payloads (DIVISION, the Hadamard rotation, whose errors
@@ -54,7 +58,7 @@ from torch import Tensor
 
 from ..quant import QuantizedTensor, dequantize, quantize
 from ..quant.api import draw_seed
-from ..quant.backend import extension
+from ..quant.backend import extension, kernels
 
 __all__ = ["VARIANCE_STRIDE", "VARIANCE_BITS", "Sample", "Stat", "add_at", "correct_",
            "draw_sample", "norm_stride", "pack_codes", "sample_variance", "unpack_codes",
@@ -97,8 +101,12 @@ def _compiled(name: str):
 
 
 def _kernel(name: str, device: torch.device):
-    """The compiled CPU kernel ``name`` for tensors on ``device``, or None."""
-    return _compiled(name) if device.type == "cpu" else None
+    """The compiled kernel ``name`` for tensors on ``device`` (the extension's, which runs CPU
+    and, in a CUDA build, CUDA tensors; the meta device's shape-only stand-in), or None: the
+    torch twin runs."""
+    if device.type == "cpu":
+        return _compiled(name)
+    return getattr(kernels(device), name, None)
 
 
 def draw_sample(stride: int) -> Sample:

@@ -182,10 +182,10 @@ class _Dropout:
         self.scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
         self.s1 = _fmix32_int(seed ^ 0x9E3779B9)
         self.s2 = _fmix32_int(seed ^ 0x68E31DA4)
-        # On the CPU one compiled call per tile (the torch program below costs ~15 small ops
-        # of dispatch per tile); elsewhere, or without the kernel, the torch program.
-        ext = extension() if device.type == "cpu" else None
-        self._kernel = getattr(ext, "attention_keep", None)
+        # One compiled call per tile, on the CPU and in a CUDA build on CUDA (the torch
+        # program below costs ~15-20 small ops of dispatch per tile); the meta device's
+        # shape-only stand-in; without the kernel, the torch program.
+        self._kernel = getattr(kernels(device), "attention_keep", None)
         self._device = device
         self._col: Optional[Tensor] = None
         # batch: the call's flattened batch size N, when known. The torch program then hashes
@@ -204,7 +204,7 @@ class _Dropout:
 
     @property
     def compiled(self) -> bool:
-        """Whether :meth:`keep` runs the compiled kernel (the CPU with the extension)."""
+        """Whether :meth:`keep` runs a compiled kernel (the extension's, on the CPU or CUDA)."""
         return self._kernel is not None
 
     def keep(self, n0: int, n1: int, r0: int, r1: int, cols: Optional[int] = None) -> Tensor:
@@ -212,7 +212,7 @@ class _Dropout:
         default all) survive."""
         if self._kernel is not None:
             return self._kernel(n0, n1, r0, r1, self.S if cols is None else cols, self.L,
-                                self.s1, self.s2, self.threshold)
+                                self.s1, self.s2, self.threshold, self._device)
         return self.keep_torch(n0, n1, r0, r1, cols)
 
     def keep_torch(self, n0: int, n1: int, r0: int, r1: int,

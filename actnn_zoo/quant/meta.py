@@ -21,7 +21,10 @@ from .reference import contract_rows
 
 __all__ = ["quantize", "quantize_lean", "quantize_uniform", "dequantize", "dequantize_uniform",
            "row_offsets", "pack_mask", "unpack_mask", "masked_grad", "pack_compare",
-           "hadamard_"]
+           "hadamard_", "rounding_variance_codes", "rounding_variance_correct_",
+           "attention_keep"]
+
+_VARIANCE_GROUP = 256  # functional._rounding_variance._VARIANCE_GROUP
 
 def _codes(n: int, d: int, total: int, group_size: int, device: torch.device
            ) -> Tuple[Tensor, Tensor, Tensor]:
@@ -94,3 +97,32 @@ def pack_compare(x: Tensor, kind: int, lo: float, hi: float,
 
 def hadamard_(x2d: Tensor, group_size: int, seed: int, inverse: bool) -> Tensor:
     return x2d
+
+
+def rounding_variance_codes(lo: Tensor, step: Tensor, row_bits: Optional[Tensor], bits: int,
+                            group_size: int, src: Tensor, shift: Optional[Tensor],
+                            scale: Optional[Tensor], stat_block: int, stat_period: int,
+                            offset: int, stride: int, seed: int) -> Tensor:
+    """The CUDA entry's steps (cpp_ext/variance_cuda.cu): the variances, their one-row 1-bit
+    codes (a one-width layout made on the device), one buffer."""
+    slots = -(-src.numel() // stride)
+    if slots == 0:
+        return torch.empty(0, dtype=torch.uint8, device=src.device)
+    torch.empty(1, slots, dtype=torch.float32, device=src.device)
+    nbytes = (slots + 7) // 8
+    torch.full((1,), 1, dtype=torch.uint8, device=src.device)
+    torch.arange(0, 2 * nbytes, nbytes, dtype=torch.int64, device=src.device)
+    data, vlo, vstep = _codes(1, slots, nbytes, _VARIANCE_GROUP, src.device)
+    return torch.cat([vlo.view(-1).view(torch.uint8), vstep.view(-1).view(torch.uint8), data])
+
+
+def rounding_variance_correct_(grad_in: Tensor, grad: Tensor, codes: Tensor, offset: int,
+                               stride: int, scale: Optional[Tensor], stat_block: int,
+                               stat_period: int, weight: Optional[Tensor], weight_block: int,
+                               weight_period: int, divisor: float) -> Tensor:
+    return grad_in
+
+
+def attention_keep(n0: int, n1: int, r0: int, r1: int, cols: int, L: int, s1: int, s2: int,
+                   threshold: int, device: Optional[torch.device] = None) -> Tensor:
+    return torch.empty(n1 - n0, r1 - r0, cols, dtype=torch.bool, device=device)
