@@ -30,6 +30,7 @@ cpu_sources += ["cpp_ext/loss_cpu.cpp"]
 cuda_sources += ["cpp_ext/pack_compare_cuda.cu"]
 cuda_sources += ["cpp_ext/variance_cuda.cu"]
 cuda_sources += ["cpp_ext/attention_dropout_cuda.cu"]
+cuda_sources += ["cpp_ext/widths_cuda.cu"]
 
 # torch.get_autocast_dtype(device_type) needs 2.4. The compiled extension runs only with the
 # torch minor version it was built against, so that is what the package requires.

@@ -13,6 +13,7 @@
 #include <ATen/record_function.h>
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <c10/core/DeviceGuard.h>
 #include <mutex>
 #include <string>
@@ -194,11 +195,17 @@ std::pair<at::Tensor, at::Tensor> uniform_layout(int64_t n, int64_t d, int64_t b
 }
 
 // Byte offset of each row of mixed widths, (N + 1,) int64, as reference.row_offsets: one loop
-// on the CPU instead of five small tensor ops per call (a Q-layer with per-sample widths pays it
-// in every forward); the same tensor ops as the reference on other devices.
+// on the CPU, one kernel on CUDA (widths_cuda.cu), instead of seven small tensor ops per call (a
+// Q-layer with per-sample widths pays it in every forward); those ops for other devices and
+// widths of another dtype.
 at::Tensor row_offsets(int64_t d, const at::Tensor& bits) {
   TORCH_CHECK_VALUE(bits.dim() == 1, "bits must be 1-d, got ", bits.dim(), " dims");
   TORCH_CHECK_VALUE(d >= 0, "d must be non-negative, got ", d);
+#ifdef ACTNN_ZOO_CUDA
+  if (bits.is_cuda() && bits.scalar_type() == at::kByte) {
+    return actnn_zoo::row_offsets_cuda(d, bits);
+  }
+#endif
   if (!bits.is_cpu() || bits.scalar_type() != at::kByte) {
     auto sizes = bits.to(at::kLong).mul(d).add(7).div(8, "floor");
     return at::cat({at::zeros({1}, sizes.options()), at::cumsum(sizes, 0)});
@@ -209,7 +216,7 @@ at::Tensor row_offsets(int64_t d, const at::Tensor& bits) {
   const uint8_t* w = b.data_ptr<uint8_t>();
   int64_t* o = out.data_ptr<int64_t>();
   o[0] = 0;
-  for (int64_t r = 0; r < n; ++r) o[r + 1] = o[r] + (static_cast<int64_t>(w[r]) * d + 7) / 8;
+  for (int64_t r = 0; r < n; ++r) o[r + 1] = o[r] + actnn_zoo::row_bytes(w[r], d);
   return out;
 }
 
@@ -356,11 +363,31 @@ at::Tensor masked_grad(const at::Tensor& grad, const at::Tensor& packed,
 
 at::Tensor range_statistic(const at::Tensor& x2d, int64_t group_size) {
   RECORD_USER_SCOPE("actnn_zoo::range_statistic");
+#ifdef ACTNN_ZOO_CUDA
+  if (x2d.is_cuda()) {  // the checks here, in host code (quant_cuda.cu says why)
+    TORCH_CHECK_VALUE(x2d.dim() == 2 && x2d.is_contiguous(),
+                      "range_statistic: x2d must be 2-d and contiguous, got shape ", x2d.sizes());
+    TORCH_CHECK_VALUE(group_size > 0, "group_size must be positive, got ", group_size);
+    TORCH_CHECK(x2d.scalar_type() == at::kFloat || x2d.scalar_type() == at::kHalf ||
+                    x2d.scalar_type() == at::kBFloat16,
+                "x must be float32, float16 or bfloat16, got ", x2d.scalar_type());
+    return actnn_zoo::range_statistic_cuda(x2d, group_size);
+  }
+#endif
   return actnn_zoo::range_statistic_cpu(x2d, group_size);
 }
 
 at::Tensor allocate_widths(const at::Tensor& score, double extra) {
   RECORD_USER_SCOPE("actnn_zoo::allocate_widths");
+#ifdef ACTNN_ZOO_CUDA
+  if (score.is_cuda()) {  // the checks here, in host code (quant_cuda.cu says why)
+    TORCH_CHECK(score.scalar_type() == at::kFloat && score.dim() == 1 && score.is_contiguous(),
+                "score must be a contiguous 1-d float32 tensor");
+    TORCH_CHECK_VALUE(score.size(0) <= std::numeric_limits<int32_t>::max() / 3,
+                      "allocate_widths: at most 2^31 / 3 items on CUDA, got ", score.size(0));
+    return actnn_zoo::allocate_widths_cuda(score, extra);
+  }
+#endif
   return actnn_zoo::allocate_widths_cpu(score, extra);
 }
 
@@ -459,12 +486,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "grad * on, elsewhere +0.0 (off=None) or grad * off, bit-identical to torch.where.");
   m.def("range_statistic", &range_statistic, nogil, py::arg("x2d"),
         py::arg("group_size"),
-        "CPU only: (N,) float32, per row the sum over its groups of len * (max - min)^2; a group "
-        "holding NaN or Inf counts 0.");
+        "(N,) float32, per row the sum over its groups of len * (max - min)^2; a group holding "
+        "NaN or Inf counts 0. CPU, and CUDA in a CUDA build (the same values).");
   m.def("allocate_widths", &allocate_widths, nogil, py::arg("score"),
         py::arg("extra"),
-        "CPU only: uint8 widths in {1, 2, 4, 8} minimising sum score / (2^b - 1)^2 with at most "
-        "`extra` bits above 1 each (precision.solver.allocate_samples).");
+        "uint8 widths in {1, 2, 4, 8} minimising sum score / (2^b - 1)^2 with at most `extra` "
+        "bits above 1 each (precision.solver.allocate_samples); CPU, and CUDA in a CUDA build.");
   m.def("choose_widths", &choose_widths, nogil, py::arg("x"), py::arg("group_size"),
         py::arg("exponent"), py::arg("extra"),
         "CPU only: (range_statistic of x's rows, allocate_widths(that ** exponent, extra)) for "

@@ -42,6 +42,9 @@ AZ_HD bool keep_of(uint32_t row_hash, uint32_t col_hash, uint32_t threshold) {
   return fmix32(row_hash ^ col_hash) < threshold;
 }
 
+// Bytes of one row of d codes at width w (reference.row_offsets' step), CPU and CUDA.
+AZ_HD int64_t row_bytes(uint32_t w, int64_t d) { return (static_cast<int64_t>(w) * d + 7) / 8; }
+
 // (N, D) of the quantization contract's row view of a tensor of `shape`: dim 0 is the sample,
 // the rest one row; a 0-d or 1-d tensor is one row (reference.contract_rows' twin).
 inline std::pair<int64_t, int64_t> contract_rows(at::IntArrayRef shape) {
@@ -186,6 +189,15 @@ at::Tensor masked_grad_cuda(const at::Tensor& grad, const at::Tensor& packed,
 at::Tensor attention_keep_cuda(int64_t n0, int64_t n1, int64_t r0, int64_t r1, int64_t cols,
                                int64_t L, int64_t s1, int64_t s2, int64_t threshold,
                                c10::Device device);
+// widths_cuda.cu: allocate_widths_cpu's twin for a contiguous 1-d float32 score on CUDA (checked
+// by the caller).
+at::Tensor allocate_widths_cuda(const at::Tensor& score, double extra);
+// (N + 1,) int64 byte offsets of rows of d codes at uint8 widths `bits` (N,) on CUDA: row_offsets'
+// CUDA half (the caller checked bits).
+at::Tensor row_offsets_cuda(int64_t d, const at::Tensor& bits);
+// range_statistic_cpu's twin for a contiguous (N, D) float32/float16/bfloat16 x2d on CUDA
+// (checked by the caller): the same values bit for bit (widths.h's range_term, summed in order).
+at::Tensor range_statistic_cuda(const at::Tensor& x2d, int64_t group_size);
 // variance_cuda.cu: rounding_variance_codes / _correct_ on CUDA, their arguments checked and
 // laid out by variance_cpu.cpp (check_codes, check_correct) first.
 at::Tensor rounding_variance_codes_cuda(const VarPayload& p, const VarSource& s,

@@ -1,7 +1,8 @@
 // CPU twins of the two per-layer, per-step pieces of auto precision (actnn_zoo/precision):
 // the per-sample range statistic (stats.range_statistic) and the width greedy
-// (solver.allocate_samples). On the GPU these stay torch programs; on the CPU a torch program
-// of ~25 small ops costs more in dispatch than the work itself, so each is one call here.
+// (solver.allocate_samples). On the CPU a torch program of ~25 small ops costs more in dispatch
+// than the work itself, so each is one call here; on the GPU the statistic stays a torch
+// program and the greedy is widths_cuda.cu (its walk shared through widths.h).
 //
 // range_statistic: one pass per group for min and max (torch needs two: amax, amin); a group
 // holding NaN or +-Inf counts 0, as in the torch version. Sums are in double, so values agree
@@ -11,6 +12,7 @@
 
 #include "kernels.h"
 #include "isa_cpu.h"
+#include "widths.h"
 
 #include <ATen/Parallel.h>
 
@@ -37,10 +39,7 @@ double group_term(const T* __restrict x, int64_t len) {
     mx = v > mx ? v : mx;
     bad = bad + v * 0.0f;
   }
-  const float r = mx - mn;
-  const float r2 = r * r;  // squared in float32, as the torch version does
-  if (std::isnan(bad) || !std::isfinite(r2)) return 0.0;
-  return static_cast<double>(len) * static_cast<double>(r2);
+  return range_term(mn, mx, std::isnan(bad), len);  // widths.h, shared with the CUDA kernel
 }
 
 template <typename T>
@@ -96,18 +95,12 @@ at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra) {
   TORCH_CHECK(score.scalar_type() == at::kFloat && score.dim() == 1 && score.is_contiguous(),
               "score must be a contiguous 1-d float32 tensor");
   const int64_t m = score.size(0);
-  // empty, then every width set to 1 here: at::ones is a fill operator call besides
+  // empty, every width written below: at::ones is a fill operator call besides
   at::Tensor out = at::empty({m}, score.options().dtype(at::kByte));
   if (m == 0) return out;
-  std::fill(out.data_ptr<uint8_t>(), out.data_ptr<uint8_t>() + m, uint8_t{1});
   const float* s = score.data_ptr<float>();
-  // Gain per bit of the upgrades 1->2, 2->4, 4->8 as solver.UpgradeTable builds them: float64
-  // (v(b) - v(b')) / cost, then rounded to float32.
-  auto v = [](int b) { const double l = static_cast<double>((1 << b) - 1); return 1.0 / (l * l); };
-  const int cost[3] = {1, 2, 4};
-  const float gain[3] = {static_cast<float>((v(1) - v(2)) / 1.0),
-                         static_cast<float>((v(2) - v(4)) / 2.0),
-                         static_cast<float>((v(4) - v(8)) / 4.0)};
+  float gain[3];
+  upgrade_gains(gain);
   // The 3m upgrades, stage-major, sorted by gain per bit, descending and stable.
   const int64_t k = 3 * m;
   std::vector<float> ratio(static_cast<size_t>(k));
@@ -118,30 +111,10 @@ at::Tensor allocate_widths_cpu(const at::Tensor& score, double extra) {
   std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return ratio[a] > ratio[b]; });
-  // The prefix whose costs fit in `extra`, then 1->2 upgrades left out of it, in the same
-  // order, while bits remain.
   std::vector<uint8_t> taken(static_cast<size_t>(k), 0);
-  int64_t spent = 0, cum = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t u = order[j];
-    cum += cost[u / m];
-    if (static_cast<double>(cum) > extra) break;
-    taken[u] = 1;
-    spent = cum;
-  }
-  const double left = extra - static_cast<double>(spent);
-  int64_t units = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t u = order[j];
-    if (u >= m || taken[u]) continue;  // only untaken 1->2 upgrades cost 1 bit
-    ++units;
-    if (static_cast<double>(units) > left) break;
-    taken[u] = 1;
-  }
+  allocate_walk(order.data(), m, extra, taken.data());
   uint8_t* w = out.data_ptr<uint8_t>();
-  for (int64_t u = 0; u < k; ++u) {
-    if (taken[u]) w[u % m] = static_cast<uint8_t>(w[u % m] + cost[u / m]);
-  }
+  for (int64_t i = 0; i < m; ++i) w[i] = allocated_width(taken.data(), m, i);
   return out;
 }
 

@@ -1068,3 +1068,61 @@ def test_attention_keep_mask_on_cuda(big):
             assert got.device.type == DEV.type and got.dtype == torch.bool
             assert torch.equal(got.cpu(), on_cpu.keep(n0, n1, r0, r1, cols))
             assert torch.equal(got, on_gpu.keep_torch(n0, n1, r0, r1, cols))
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 600, 2500])
+def test_allocate_widths_on_cuda(m):
+    """The CUDA width greedy (cpp_ext/widths_cuda.cu) equals the CPU kernel's and the torch
+    program's on CUDA, for budgets from nothing to everything, with ties (zero and repeated
+    scores) and past the shared-memory size (2,500 items: a global scratch buffer)."""
+    from actnn_zoo.precision import solver
+
+    gen = torch.Generator().manual_seed(m)
+    score = torch.rand(m, generator=gen) ** 4
+    score[::5] = 0.0
+    score[1::7] = score[0]
+    for extra in (0.0, 1.0, float(m // 3), float(m), 3.5 * m, 7.0 * m, 10.0 * m):
+        want = solver._allocate_samples_torch(score, extra)
+        on_cpu = _C.allocate_widths(score, extra)
+        got = _C.allocate_widths(score.to(DEV), extra)
+        assert got.device.type == DEV.type and got.dtype == torch.uint8
+        assert torch.equal(on_cpu, want), f"CPU kernel and torch program differ at {extra}"
+        assert torch.equal(got.cpu(), want), f"CUDA kernel and torch program differ at {extra}"
+        assert torch.equal(solver._allocate_samples_torch(score.to(DEV), extra).cpu(), want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 64, 1000, 5000])
+def test_row_offsets_on_cuda(n):
+    """The CUDA row offsets of per-sample widths (cpp_ext/widths_cuda.cu) equal the reference's
+    and the CPU kernel's, for any number of rows (more rows than threads: chunks) and row
+    lengths whose sizes are not whole bytes."""
+    gen = torch.Generator().manual_seed(n)
+    bits = torch.tensor([1, 2, 4, 8], dtype=torch.uint8)[torch.randint(0, 4, (n,), generator=gen)]
+    for d in (1, 3, 37, 4096):
+        want = R.row_offsets(d, bits)
+        assert torch.equal(_C.row_offsets(d, bits), want)
+        got = _C.row_offsets(d, bits.to(DEV))
+        assert got.device.type == DEV.type and got.dtype == torch.int64
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_range_statistic_on_cuda(dtype):
+    """The CUDA range statistic (cpp_ext/widths_cuda.cu) equals the CPU kernel's bit for bit
+    (the same per-group terms, summed in group order in double) and the torch version up to
+    float rounding, with short last groups, NaN and Inf groups (0), and rows of more groups
+    than one pass of the block (300 x 16 = 4,800 values at group size 16)."""
+    from actnn_zoo.precision import stats
+
+    gen = torch.Generator().manual_seed(4)
+    for n, d, group in ((3, 1000, 256), (7, 4800, 16), (1, 5, 8), (65, 256, 256)):
+        x = (torch.randn(n, d, generator=gen) * 3.0).to(dtype)
+        x[0, min(3, d - 1)] = float("nan")
+        if n > 1:
+            x[1, 0] = float("inf")
+        want = _C.range_statistic(x, group)
+        got = _C.range_statistic(x.to(DEV), group)
+        assert got.device.type == DEV.type and got.dtype == torch.float32
+        assert torch.equal(got.cpu(), want)
+        torch.testing.assert_close(got.cpu(), stats._range_statistic_torch(x.float(), group),
+                                   rtol=1e-5, atol=0.0)

@@ -13,10 +13,10 @@ allocation drops the fraction and then spends what is left on the cheapest upgra
 fit (1->2 of items at 1 bit).
 
 The budget arguments may be tensors on the items' device; nothing here reads a value back to
-the host, so the solvers can run every step on a GPU without a device-to-host copy. On the CPU,
-with a host budget, :func:`allocate_samples` runs as one call into the compiled extension
-(``cpp_ext/widths_cpu.cpp``, bit-identical): there the ~18 small torch ops cost more in
-dispatch than the work.
+the host, so the solvers can run every step on a GPU without a device-to-host copy. With a
+host budget, :func:`allocate_samples` runs as one call into the compiled extension, bit-identical
+(``cpp_ext/widths_cpu.cpp``; on CUDA ``widths_cuda.cu``, not yet run on a GPU): the ~21 small
+torch ops cost more in dispatch than the work, and on a GPU each is a launch.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..quant.api import no_graph
-from ..quant.backend import extension
+from ..quant.backend import kernels
 
 __all__ = ["WIDTHS", "UPGRADE_COST", "UPGRADE_GAIN", "UpgradeTable", "quantization_cost",
            "allocate_samples", "allocate_weighted", "extra_bits"]
@@ -102,8 +102,11 @@ def allocate_samples(score: Tensor, budget: Union[Tensor, float],
     s = s if s.dtype == torch.float32 else s.to(torch.float32)
     if extra is None:
         extra = extra_bits(budget, m)
-    ext = extension() if s.device.type == "cpu" and not isinstance(extra, Tensor) else None
-    kernel = getattr(ext, "allocate_widths", None)  # None too for a build older than this file
+    # The compiled greedy (CPU, and CUDA in a CUDA build; the meta device's stand-in): one call
+    # where the torch program below is ~21 small operators. A budget on the device (a tensor
+    # extra) takes the torch program: reading it would wait for the device.
+    kernel = (None if isinstance(extra, Tensor)
+              else getattr(kernels(s.device), "allocate_widths", None))
     if kernel is not None:
         return kernel(s.contiguous(), float(extra))
     return _allocate_samples_torch(s, extra, table)

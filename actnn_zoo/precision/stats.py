@@ -28,7 +28,7 @@ from ..nn.rmsnorm import QRMSNorm
 from ..nn.softmax import QSoftmax
 from ..nn.third_party import QHFConv1D, QLayerNorm2d
 from ..quant.api import SampleBits, as_rows, no_graph
-from ..quant.backend import extension
+from ..quant.backend import kernels
 from .base import set_sample_bits
 
 __all__ = ["LayerStats", "LayerKind", "layer_kind", "range_statistic", "sample_grad_sq",
@@ -95,13 +95,14 @@ def set_width(module: nn.Module, stats: LayerStats, width: int, samples: int,
 def range_statistic(t: Tensor, group_size: int) -> Tensor:
     """(N,) float32: per sample, ``sum_g len_g * (max_g - min_g)^2`` over its groups.
 
-    Groups holding NaN/Inf count 0: they dequantize to NaN whatever their width. On the CPU one
-    pass of the compiled extension (``cpp_ext/widths_cpu.cpp``; equal up to float rounding),
-    elsewhere two torch reductions.
+    Groups holding NaN/Inf count 0: they dequantize to NaN whatever their width. One pass of
+    the compiled extension on the CPU and, in a CUDA build, on CUDA (``cpp_ext/widths_cpu.cpp``,
+    ``widths_cuda.cu``: the same values on both; equal to the torch version up to float
+    rounding), elsewhere two torch reductions.
     """
     rows = as_rows(no_graph(t))
-    ext = extension() if rows.is_cpu and rows.is_contiguous() else None
-    kernel = getattr(ext, "range_statistic", None)  # None too for a build older than this file
+    kernel = (getattr(kernels(rows.device), "range_statistic", None)
+              if rows.is_contiguous() else None)
     if kernel is not None and rows.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return kernel(rows, group_size)
     return _range_statistic_torch(rows, group_size)

@@ -23,7 +23,7 @@ CPU_SOURCES = ("quant_cpu.cpp", "widths_cpu.cpp", "bindings.cpp", "hadamard_cpu.
                "variance_cpu.cpp", "attention_dropout_cpu.cpp", "qlayers.cpp", "loss_cpu.cpp",
                "stacks.cpp")
 CUDA_SOURCES = ("quant_cuda.cu", "hadamard_cuda.cu", "division_cuda.cu", "pack_compare_cuda.cu",
-                "variance_cuda.cu", "attention_dropout_cuda.cu")
+                "variance_cuda.cu", "attention_dropout_cuda.cu", "widths_cuda.cu")
 # Portable by default: -march=native in a wheel or a shared JIT cache dies with SIGILL on an
 # older CPU. ACTNN_ZOO_NATIVE=1 opts in (setup.py reads the same variable); the kernels are
 # memory-bound and the portable build measured within noise of native (README, "Kernels").

@@ -22,7 +22,7 @@ from .reference import contract_rows
 __all__ = ["quantize", "quantize_lean", "quantize_uniform", "dequantize", "dequantize_uniform",
            "row_offsets", "pack_mask", "unpack_mask", "masked_grad", "pack_compare",
            "hadamard_", "rounding_variance_codes", "rounding_variance_correct_",
-           "attention_keep"]
+           "attention_keep", "allocate_widths", "range_statistic"]
 
 _VARIANCE_GROUP = 256  # functional._rounding_variance._VARIANCE_GROUP
 
@@ -72,6 +72,8 @@ def dequantize_uniform(data: Tensor, lo: Tensor, step: Tensor, bits: int, group_
 
 
 def row_offsets(d: int, bits: Tensor) -> Tensor:
+    if bits.dtype == torch.uint8:  # the CUDA kernel's one output (cpp_ext/widths_cuda.cu)
+        return torch.empty(bits.shape[0] + 1, dtype=torch.int64, device=bits.device)
     sizes = bits.to(torch.int64).mul(d).add(7).div(8, rounding_mode="floor")
     return torch.cat([torch.zeros(1, dtype=torch.int64, device=bits.device),
                       torch.cumsum(sizes, 0)])
@@ -126,3 +128,11 @@ def rounding_variance_correct_(grad_in: Tensor, grad: Tensor, codes: Tensor, off
 def attention_keep(n0: int, n1: int, r0: int, r1: int, cols: int, L: int, s1: int, s2: int,
                    threshold: int, device: Optional[torch.device] = None) -> Tensor:
     return torch.empty(n1 - n0, r1 - r0, cols, dtype=torch.bool, device=device)
+
+
+def allocate_widths(score: Tensor, extra: float) -> Tensor:
+    return torch.empty(score.shape[0], dtype=torch.uint8, device=score.device)
+
+
+def range_statistic(x2d: Tensor, group_size: int) -> Tensor:
+    return torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
