@@ -11,6 +11,7 @@
 // and one launch a tile. One thread per element, grid-stride (64-bit indices): the row hash is
 // recomputed per element (two fmix32), cheaper than a second pass or shared memory.
 #include "kernels.h"
+#include "grid_cuda.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -48,9 +49,8 @@ at::Tensor attention_keep_cuda(int64_t n0, int64_t n1, int64_t r0, int64_t r1, i
   at::Tensor out = at::empty({nb, nr, cols}, at::TensorOptions().dtype(at::kBool).device(device));
   const int64_t total = out.numel();
   if (total == 0) return out;
-  const int64_t need = (total + kThreads - 1) / kThreads;
-  const unsigned grid = static_cast<unsigned>(need < 65535 * 32 ? need : 65535 * 32);
-  attention_keep_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  attention_keep_kernel<<<grid_stride_blocks(total, kThreads), kThreads, 0,
+                          c10::cuda::getCurrentCUDAStream()>>>(
       out.data_ptr<bool>(), total, nr, cols, n0, r0, L, static_cast<uint32_t>(s1),
       static_cast<uint32_t>(s2), static_cast<uint32_t>(threshold));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

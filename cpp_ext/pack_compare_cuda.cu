@@ -6,6 +6,7 @@
 // One thread per output byte, grid-stride: a thread reads its 8 inputs and writes 1 byte, so no
 // two threads touch the same byte. float16/bfloat16 are widened to float32 exactly.
 #include "kernels.h"
+#include "grid_cuda.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -61,8 +62,7 @@ template <typename T>
 void launch(const at::Tensor& x, int64_t kind, double lo, double hi, at::Tensor& out) {
   using C = typename Widen<T>::type;
   const int64_t n = x.numel(), nbytes = out.numel();
-  const int64_t need = (nbytes + kThreads - 1) / kThreads;
-  const unsigned grid = static_cast<unsigned>(need < 65535 * 32 ? need : 65535 * 32);
+  const unsigned grid = grid_stride_blocks(nbytes, kThreads);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const T* xp = x.data_ptr<T>();
   uint8_t* o = out.data_ptr<uint8_t>();

@@ -19,6 +19,7 @@
 // Argument checks ran before (variance_cpu.cpp: check_codes / check_correct, host-compiled, with
 // sizes in their messages); nothing here prints a size.
 #include "kernels.h"
+#include "grid_cuda.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -38,11 +39,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kVarGroupCuda = 256;  // the 1-bit codes' group (variance_cpu.cpp's kVarGroup)
-
-unsigned blocks_for(int64_t n) {
-  const int64_t need = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(need < 65535 * 32 ? (need > 0 ? need : 1) : 65535 * 32);
-}
 
 // x_i widened exactly (float16 and bfloat16 to float32; float64 stays float64 for the norm's
 // arithmetic in W), as variance_cpu.cpp's value_at reads it.
@@ -98,7 +94,7 @@ at::Tensor rounding_variance_codes_cuda(const VarPayload& p, const VarSource& s,
   at::Tensor var = at::empty({1, slots}, src.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   float* v = var.data_ptr<float>();
-  const unsigned grid = blocks_for(slots);
+  const unsigned grid = grid_stride_blocks(slots, kThreads);
   switch (src.scalar_type()) {
     case at::kFloat:
       variance_values_kernel<float, float><<<grid, kThreads, 0, stream>>>(
@@ -133,7 +129,7 @@ void rounding_variance_correct_cuda(at::Tensor& grad_in, const at::Tensor& grad,
                                     int64_t kept) {
   const c10::cuda::CUDAGuard guard(grad_in.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  variance_correct_kernel<<<blocks_for(kept), kThreads, 0, stream>>>(
+  variance_correct_kernel<<<grid_stride_blocks(kept, kThreads), kThreads, 0, stream>>>(
       grad_in.data_ptr<float>(), grad.data_ptr<float>(), c, gi_at, g_at, offset, stride, kept);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

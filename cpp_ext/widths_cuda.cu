@@ -24,6 +24,7 @@
 // size. Then one thread walks the order (allocate_walk) in shared memory, and the block writes
 // the widths.
 #include "kernels.h"
+#include "grid_cuda.h"
 #include "widths.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -165,7 +166,7 @@ at::Tensor range_statistic_cuda(const at::Tensor& x2d, int64_t group_size) {
   at::Tensor out = at::empty({n_rows}, x2d.options().dtype(at::kFloat));
   if (n_rows == 0) return out;
   if (d == 0) return out.zero_();
-  const unsigned grid = static_cast<unsigned>(n_rows < 65535 * 32 ? n_rows : 65535 * 32);
+  const unsigned grid = grid_stride_blocks(n_rows, 1);  // a block per row
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   switch (x2d.scalar_type()) {
     case at::kFloat:

@@ -143,6 +143,26 @@ def test_the_gpu_path_of_a_default_step_reads_nothing_back(build):
     assert ours == {}
 
 
+def test_the_gpu_path_runs_the_compiled_kernels_not_their_torch_programs():
+    """Off the CPU the rounding variances, the strategy's range statistic, width greedy and row
+    offsets, and attention dropout's keep-mask take the extension's kernels (their meta
+    stand-ins here), one call each, and none of their torch programs runs."""
+    model = az.convert_model(_cnn().to(META)).train()
+    step = _cnn_step(model)
+    with answering_reads():
+        for _ in range(11):
+            step()
+    work = offcpu_work(step, places=True)
+    for name in ("rounding_variance_codes", "rounding_variance_correct_", "range_statistic",
+                 "allocate_widths", "row_offsets"):
+        assert work.by_kernel[name] > 0, name
+    torch_programs = ("_sample_torch", "_correct_torch", "_allocate_samples_torch",
+                      "_range_statistic_torch", "keep_torch")
+    assert not [p for p in work.by_place if p.split(":")[-1] in torch_programs]
+    drop = attn._Dropout(7, 0.1, 16, 16, META)
+    assert offcpu_work(lambda: drop.keep(0, 2, 0, 16)).by_kernel["attention_keep"] == 1
+
+
 def test_the_counter_sees_a_read_and_where_it_happened():
     model = az.convert_model(_cnn().to(META), bits=2, strategy="uniform").train()
     step = _cnn_step(model)
