@@ -94,9 +94,7 @@ struct VarPayload {
 // The rounding variance of the value x at flat index i of the payload p: its group's lo, step
 // and width looked up, then rounding_variance. A row width outside {1, 2, 4, 8} (which the CPU
 // entry rejects; a GPU cannot check without a read-back) counts as deterministic: 0.
-AZ_HD float payload_variance(const VarPayload& p, int64_t i, float x) {
-  const int64_t row = i / p.d;
-  const int64_t g = (i - row * p.d) / p.group_size;
+AZ_HD float payload_variance_at(const VarPayload& p, int64_t row, int64_t g, float x) {
   const float lo = bf16_value(p.lo[row * p.groups + g]);
   const float step = bf16_value(p.step[row * p.groups + g]);
   float levels = p.levels;
@@ -106,6 +104,12 @@ AZ_HD float payload_variance(const VarPayload& p, int64_t i, float x) {
     levels = static_cast<float>((1u << b) - 1u);
   }
   return rounding_variance(x, lo, step, levels);
+}
+
+// payload_variance_at with the row and group of flat index i divided out.
+AZ_HD float payload_variance(const VarPayload& p, int64_t i, float x) {
+  const int64_t row = i / p.d;
+  return payload_variance_at(p, row, (i - row * p.d) / p.group_size, x);
 }
 
 // Where the values come from: x (any strides), as themselves, or normalized on the way as a
@@ -120,11 +124,16 @@ struct VarSource {
 };
 
 template <typename W>
-AZ_HD float normalized_value(W x, const VarSource& s, int64_t i) {
-  const int64_t j = stat_index(i, s.block, s.period);
+AZ_HD float normalized_value_at(W x, const VarSource& s, int64_t j) {
   const W m = static_cast<const W*>(s.shift)[j];
   const W c = static_cast<const W*>(s.scale)[j];
   return static_cast<float>((x - m) * c);
+}
+
+// normalized_value_at of the statistic that flat index i reads.
+template <typename W>
+AZ_HD float normalized_value(W x, const VarSource& s, int64_t i) {
+  return normalized_value_at<W>(x, s, stat_index(i, s.block, s.period));
 }
 
 // What backward adds at the k-th kept index i: (g_i * c_i) * (stride * v_hat_k), with c_i =
@@ -140,14 +149,22 @@ struct VarCorrection {
   float divisor, stride;
 };
 
-AZ_HD float correction_term(const VarCorrection& c, int64_t k, int64_t i, float g) {
-  float f = c.scale != nullptr ? c.scale[stat_index(i, c.stat_block, c.stat_period)] : 1.0f;
-  if (c.weight != nullptr) f = fmul(f, c.weight[stat_index(i, c.weight_block, c.weight_period)]);
+// With the statistic and weight indices (s, w) and the 1-bit group vg of slot k given.
+AZ_HD float correction_term_at(const VarCorrection& c, int64_t k, int64_t s, int64_t w,
+                               int64_t vg, float g) {
+  float f = c.scale != nullptr ? c.scale[s] : 1.0f;
+  if (c.weight != nullptr) f = fmul(f, c.weight[w]);
   f = fdiv(f, c.divisor);
   const uint32_t code = (c.bits[k >> 3] >> (k & 7)) & 1u;
-  const int64_t vg = k / c.group;
   return variance_correction(g, f, code, bf16_value(c.vlo[vg]), bf16_value(c.vstep[vg]),
                              c.stride);
+}
+
+// (A factor's block is only valid, and so only divided by, when the factor is given.)
+AZ_HD float correction_term(const VarCorrection& c, int64_t k, int64_t i, float g) {
+  const int64_t s = c.scale != nullptr ? stat_index(i, c.stat_block, c.stat_period) : 0;
+  const int64_t w = c.weight != nullptr ? stat_index(i, c.weight_block, c.weight_period) : 0;
+  return correction_term_at(c, k, s, w, k / c.group, g);
 }
 
 }  // namespace actnn_zoo

@@ -70,27 +70,67 @@ AZ_INLINE float as_float(T v) {
   }
 }
 
-// The value at flat index i: x_i as float32, or its normalized value computed in W (float32, or
-// float64 for a float64 input) and rounded to float32, as the twin computes it.
-template <typename T, typename W>
-AZ_INLINE float value_at(const VarSource& s, int64_t i) {
-  const T x = static_cast<const T*>(s.x)[s.at.at(i)];
-  if (s.shift == nullptr) return as_float(x);
-  if constexpr (std::is_same<W, double>::value) {
-    return normalized_value<double>(static_cast<double>(x), s, i);
-  } else {
-    return normalized_value<float>(as_float(x), s, i);
+// stat_index(i, block, period) (and i % block) along i, i + step, i + 2 step, ...: one
+// division at the start and none per step. The loops below visit every stride-th value, and the
+// int64 divisions of computing each index afresh (row, group, statistic: three to five a value)
+// cost more than the value's arithmetic. Exact integer steps: the same indices as stat_index.
+struct StatWalk {
+  int64_t s = 0, r = 0;  // the index, and i % block
+  int64_t block = 1, dr = 0, ds = 0, period = 0;
+
+  StatWalk() = default;
+  StatWalk(int64_t i, int64_t block_, int64_t period_, int64_t step)
+      : block(block_), period(period_) {
+    const int64_t q = i / block, dq = step / block;
+    r = i - q * block;
+    dr = step - dq * block;
+    s = period > 0 ? q % period : q;
+    ds = period > 0 ? dq % period : dq;
   }
+  void next() {  // r + dr < 2 block and s + ds + 1 < 2 period: one subtraction each at most
+    r += dr;
+    int64_t carry = 0;
+    if (r >= block) {
+      r -= block;
+      carry = 1;
+    }
+    s += ds + carry;
+    if (period > 0 && s >= period) s -= period;
+  }
+};
+
+// log2(n) for a power of two (the usual group sizes: a shift, not a division), else -1.
+int pow2_shift(int64_t n) {
+  return n > 0 && (n & (n - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(n)) : -1;
 }
 
-// Slots [k0, k0 + n) of the variance vector (n <= kVarGroup) into v.
+// Slots [k0, k0 + n) of the variance vector (n <= kVarGroup) into v: for each kept i, the value
+// (its statistic from a walk when normalized) and payload_variance (row and group from a walk).
 template <typename T, typename W>
 void variance_slots(const VarPayload& p, const VarSource& s, int64_t numel, int64_t offset,
                     int64_t stride, int64_t k0, int n, float* v) {
-  for (int e = 0; e < n; ++e) {
-    const int64_t i = offset + (k0 + e) * stride;
-    v[e] = i < numel ? payload_variance(p, i, value_at<T, W>(s, i)) : 0.0f;
+  int64_t i = offset + k0 * stride;
+  const bool normalized = s.shift != nullptr;
+  StatWalk rows(i, p.d, 0, stride);  // d > 0: check_codes splits numel > 0 into rows
+  StatWalk stat = normalized ? StatWalk(i, s.block, s.period, stride) : StatWalk();
+  const int gshift = pow2_shift(p.group_size);
+  int e = 0;
+  for (; e < n && i < numel; ++e, i += stride) {
+    const T x = static_cast<const T*>(s.x)[s.at.at(i)];
+    float value;
+    if (!normalized) {
+      value = as_float(x);
+    } else if constexpr (std::is_same<W, double>::value) {
+      value = normalized_value_at<double>(static_cast<double>(x), s, stat.s);
+    } else {
+      value = normalized_value_at<float>(as_float(x), s, stat.s);
+    }
+    const int64_t g = gshift >= 0 ? rows.r >> gshift : rows.r / p.group_size;
+    v[e] = payload_variance_at(p, rows.s, g, value);
+    rows.next();
+    if (normalized) stat.next();
   }
+  for (; e < n; ++e) v[e] = 0.0f;  // past the last kept index
 }
 
 // One 1-bit group of the variance vector: what quantize_group<float, 1, true> writes for it.
@@ -392,11 +432,19 @@ at::Tensor rounding_variance_correct_cpu(
   if (c.kept == 0) return grad_in;
   float* gi = grad_in.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
+  const VarCorrection& v = c.c;  // v.group is kVarGroup (check_correct)
   parallel_tasks(c.kept, 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t i = offset + k * stride;
+    // correction_term's statistic and weight indices, walked (StatWalk)
+    int64_t i = offset + begin * stride;
+    StatWalk s_at = v.scale != nullptr ? StatWalk(i, v.stat_block, v.stat_period, stride)
+                                       : StatWalk();
+    StatWalk w_at = v.weight != nullptr ? StatWalk(i, v.weight_block, v.weight_period, stride)
+                                        : StatWalk();
+    for (int64_t k = begin; k < end; ++k, i += stride) {
       float& out = gi[c.gi_at.at(i)];
-      out = out + correction_term(c.c, k, i, g[c.g_at.at(i)]);
+      out = out + correction_term_at(v, k, s_at.s, w_at.s, k / kVarGroup, g[c.g_at.at(i)]);
+      if (v.scale != nullptr) s_at.next();
+      if (v.weight != nullptr) w_at.next();
     }
   });
   return grad_in;

@@ -24,8 +24,19 @@ re-allocation), so the count is that of the mean step.
 
     .venv/bin/python scripts/bench_host_instructions.py --models gpt2 --modes fp32,default
     .venv/bin/python scripts/bench_host_instructions.py --jobs 2      # two processes at once
+    .venv/bin/python scripts/bench_host_instructions.py --models resnet50 --modes default --split
 
-Needs ``valgrind`` on the PATH.
+``--split`` also divides each step's instructions between the library's compression loops and
+the rest (``callgrind_annotate``, self cost per function): the loops are the functions of the
+extension's kernel files (``cpp_ext/``, not its bindings, stacks or autograd-node glue) and
+every function the kernels' task runners (``run_avx2``, ``run_fast``, ``parallel_tasks``)
+inline. On a GPU those loops are device work that runs asynchronously; what a mode adds over
+fp32 outside them -- Python, the bindings, torch's dispatch, autograd and allocator -- is host
+work a GPU step pays too ("host extra", also per Q-module). At the host-cost sizes the loops
+are a large part of ResNet-50's extra: its tensors are not tiny enough for the arithmetic of
+compression to vanish, so its step-time ratio on the CPU is not all host cost.
+
+Needs ``valgrind`` on the PATH (``callgrind_annotate`` too for ``--split``).
 """
 from __future__ import annotations
 
@@ -66,9 +77,46 @@ def worker(model: str, mode: str, warmup: int, steps: int) -> None:
     os._exit(0)  # the count at exit is the steps' (no interpreter shutdown)
 
 
+# The extension's files that are glue (argument parsing, the autograd nodes, the mode stack),
+# not compression loops; and the task runners every kernel loop runs inside (cpp_ext/isa_cpu.h,
+# tasks_cpu.h), whose names the functions they inline carry.
+_GLUE_FILES = ("bindings.cpp", "stacks.cpp", "qlayers.cpp")
+_LOOP_MARKS = ("run_avx2", "run_fast", "parallel_tasks")
+_LINE = re.compile(r"^\s*([\d,]+)\s+(?:\([^)]*\)\s+)?(.*)$")
+
+
+def loop_instructions(annotated: str) -> int:
+    """The instructions ``callgrind_annotate --inclusive=no`` attributes to the library's
+    compression loops (see the module docstring), from its function lines."""
+    total = 0
+    for line in annotated.splitlines():
+        m = _LINE.match(line)
+        if m is None or "(100.0%)" in line:
+            continue
+        where = m.group(2)
+        path, _, symbol = where.partition(":")
+        ours = "/cpp_ext/" in path and not path.endswith(_GLUE_FILES)
+        if ours or ("actnn_zoo" in symbol and any(k in symbol for k in _LOOP_MARKS)):
+            total += int(m.group(1).replace(",", ""))
+    return total
+
+
+def split(out: Path) -> int:
+    """The compression loops' instructions in the callgrind output ``out``."""
+    annotate = shutil.which("callgrind_annotate")
+    if annotate is None:
+        raise RuntimeError("--split needs callgrind_annotate on the PATH")
+    run = subprocess.run([annotate, "--inclusive=no", "--tree=none", "--auto=no",
+                          "--threshold=100", str(out)], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"callgrind_annotate failed: {run.stderr[-2000:]}")
+    return loop_instructions(run.stdout)
+
+
 def count(model: str, mode: str, warmup: int, steps: int, python: str,
-          valgrind: str) -> Tuple[int, str]:
-    """(instructions of ``steps`` steps, the worker's output) for one (model, mode)."""
+          valgrind: str, loops: bool = False) -> Tuple[int, str, Optional[int]]:
+    """(instructions of ``steps`` steps, the worker's output, and with ``loops`` those of the
+    compression loops among them) for one (model, mode)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         cmd = [valgrind, "--tool=callgrind", "--cache-sim=no", "--zero-before=getppid",
@@ -83,7 +131,7 @@ def count(model: str, mode: str, warmup: int, steps: int, python: str,
         match = re.search(r"^summary:\s*(\d+)", out.read_text(), re.MULTILINE)
         if match is None:
             raise RuntimeError(f"{model}/{mode}: no summary line in callgrind's output")
-        return int(match.group(1)), run.stdout
+        return int(match.group(1)), run.stdout, split(out) if loops else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -94,6 +142,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=15, help="steps before counting")
     p.add_argument("--steps", type=int, default=10, help="counted steps")
     p.add_argument("--jobs", type=int, default=1, help="processes at once")
+    p.add_argument("--split", action="store_true",
+                   help="also the compression loops' instructions and the rest's (the host "
+                        "side a GPU step would feel; see the module docstring)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -120,18 +171,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     jobs = [(model, mode) for model in models for mode in modes]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(lambda job: count(*job, args.warmup, args.steps,
-                                                  sys.executable, valgrind), jobs))
-    counts: Dict[Tuple[str, str], int] = {job: n for job, (n, _) in zip(jobs, results)}
+                                                  sys.executable, valgrind, args.split),
+                                jobs))
+    counts: Dict[Tuple[str, str], int] = {job: n for job, (n, _, _) in zip(jobs, results)}
+    loops: Dict[Tuple[str, str], int] = {job: k or 0 for job, (_, _, k) in zip(jobs, results)}
     print(f"instructions per step (callgrind, {args.steps} steps after {args.warmup}), "
           f"and over fp32's")
     for model in models:
         base = counts[(model, "fp32")] / args.steps
-        rows: List[str] = [f"\n{model}", f"{'mode':18s}| {'M instr/step':>12s} | "
-                           f"{'x fp32':>7s} | {'extra M/step':>12s}"]
+        rest0 = base - loops[(model, "fp32")] / args.steps
+        n_q = b.build_steps(model, ["default"])[1] if args.split else 0
+        head = (f"{'mode':18s}| {'M instr/step':>12s} | {'x fp32':>7s} | "
+                f"{'extra M/step':>12s}")
+        if args.split:
+            head += f" | {'loops M':>8s} | {'host extra M':>12s} | {'K/Q-module':>10s}"
+        rows: List[str] = [f"\n{model}" + (f" ({n_q} Q-modules)" if n_q else ""), head]
         for mode in modes:
             per = counts[(model, mode)] / args.steps
-            rows.append(f"{mode:18s}| {per / 1e6:12.2f} | {per / base:7.3f} | "
-                        f"{(per - base) / 1e6:12.2f}")
+            row = (f"{mode:18s}| {per / 1e6:12.2f} | {per / base:7.3f} | "
+                   f"{(per - base) / 1e6:12.2f}")
+            if args.split:
+                k = loops[(model, mode)] / args.steps
+                host = per - k - rest0
+                row += (f" | {k / 1e6:8.2f} | {host / 1e6:12.2f} | "
+                        f"{host / n_q / 1e3 if mode != 'fp32' else 0:10.0f}")
+            rows.append(row)
         print("\n".join(rows))
     return 0
 

@@ -182,6 +182,42 @@ def test_correction_matches_the_twin(n, c, spatial, stride, with_scale, with_wei
     assert got.stride() == gi.stride()
 
 
+@settings(max_examples=12, deadline=None)
+@given(per_channel=st.booleans(), group=st.sampled_from([24, 256]),
+       stride=st.sampled_from([1, 3, 8]), widths=st.sampled_from(["2", "sample"]),
+       data=st.data())
+def test_walked_indices_match_the_twin_across_groups_and_tasks(per_channel, group, stride,
+                                                               widths, data):
+    """The CPU loops step the row, group and statistic indices from a task's first kept value
+    on (no division per value): a norm-sized input of 144,627 values, so the forward fills
+    hundreds of 256-slot groups and the backward runs several 16,384-value tasks at every
+    stride, rows of 48,209 values (the walk crosses rows and groups mid-task), a group size
+    that is not a power of two, and both factors of the correction."""
+    compiled_extension(*NEEDED)
+    seed = data.draw(st.integers(0, 2 ** 31 - 2), "seed")
+    offset = data.draw(st.integers(0, stride - 1), "offset")
+    gen = torch.Generator().manual_seed(seed)
+    n, c, spatial = 3, 7, (71, 97)
+    hw = math.prod(spatial)
+    x = torch.randn((n, c) + spatial, generator=gen) + 0.5
+    if per_channel:
+        stats, stat, view = c, (hw, c), [1, c, 1, 1]
+    else:
+        stats, stat, view = n * c, (hw, 0), [n, c, 1, 1]
+    shift = torch.randn(stats, generator=gen) * 0.3
+    scale = torch.rand(stats, generator=gen) + 0.5
+    q = quantize((x - shift.view(view)) * scale.view(view), _widths(widths, n), group, seed=seed)
+    got, want = _both(q, x, stride, (offset, seed), shift=shift.view(view),
+                      scale=scale.view(view), stat=stat)
+    _same_codes(got, want)
+    go, gi = torch.randn(x.shape, generator=gen), torch.randn(x.shape, generator=gen)
+    weight = torch.randn(c, generator=gen)
+    fixed, twin = _correct_both(gi, go, (offset, stride), stride, got, scale=scale,
+                                weight=weight, stat=stat, weight_stat=(hw, c), divisor=7.0)
+    assert torch.equal(fixed, twin)
+    assert not torch.equal(fixed, gi)  # the correction was added
+
+
 def test_same_bits_at_any_thread_count():
     """Work is split into 1-bit groups of 256 slots (forward) and runs of kept indices
     (backward): the result must not depend on the split."""
