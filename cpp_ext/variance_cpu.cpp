@@ -87,15 +87,14 @@ struct StatWalk {
     s = period > 0 ? q % period : q;
     ds = period > 0 ? dq % period : dq;
   }
-  void next() {  // r + dr < 2 block and s + ds + 1 < 2 period: one subtraction each at most
+  // r + dr < 2 block and s + ds + 1 < 2 period: one subtraction each at most, made without a
+  // branch (a carry every few values would be a mispredicted jump as often).
+  void next() {
     r += dr;
-    int64_t carry = 0;
-    if (r >= block) {
-      r -= block;
-      carry = 1;
-    }
+    const int64_t carry = static_cast<int64_t>(r >= block);
+    r -= carry * block;
     s += ds + carry;
-    if (period > 0 && s >= period) s -= period;
+    if (period > 0) s -= static_cast<int64_t>(s >= period) * period;
   }
 };
 
